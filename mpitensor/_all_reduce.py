@@ -1,0 +1,88 @@
+"""`all_reduce`: every rank gets the element-wise reduction of every rank's tensor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._check import Record
+from ._collective import CollectiveTensor, check_record, context_for, start, take_input
+from ._config import ReduceOperation, parse_op
+from ._context import DevicesArg
+from ._dtypes import reduce_plan
+from ._engine import Op
+from ._tensor import Tensor
+
+__all__ = ["all_reduce"]
+
+
+def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: DevicesArg = None) -> CollectiveTensor:  # noqa: A002 - the seed's name
+    """Start an all-reduce (``MPI_Iallreduce``) and return at once.
+
+    Every rank of the group gets the element-wise reduction of all the ranks' tensors, in
+    a fresh tensor on the input's device. A list, tuple or dict of tensors is all-reduced
+    as one fused operation (see `DistributedConfig.bucket_bytes`), and the result has the
+    same structure.
+
+    Args:
+        input: a `Tensor` or NumPy array (or a list/tuple/dict of them). It must not be
+            written until the result is resolved (writes raise `TensorInFlightError`).
+        op: the reduction; None uses the context's ``config.all_reduce_op``. ``MEAN`` of
+            integers gives float64.
+        devices: the group (devices from ``ctx.devices``, or their ranks); None for every
+            rank of the context.
+
+    Returns:
+        A `CollectiveTensor`; its `resolve()` gives the result.
+
+    Raises:
+        TypeError: `input` is not a tensor or array, or its dtype cannot be reduced.
+        ValueError: bad `op` or `devices`.
+        CollectiveMismatchError: the ranks disagree on shape, dtype, op or group.
+        NoContextError, ContextClosedError, ContextBrokenError: no usable context.
+    """
+    ctx = context_for("all_reduce")
+    if isinstance(input, (list, tuple, dict)):
+        from ._fused import fused_all_reduce
+
+        return fused_all_reduce(ctx, input, op, devices)
+    reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
+    source = take_input(input, ctx, "all_reduce")
+    group = ctx._group(devices)
+    if source.on_gpu:
+        from ._gpu_path import gpu_all_reduce
+
+        return gpu_all_reduce(ctx, source, reduce_op, group)
+    plan = reduce_plan(reduce_op, source.buffer.dtype)
+    array = source.array
+    if plan.work_dtype != source.buffer.dtype:
+        send = source.buffer.astype(plan.work_dtype)
+        source.copied = True
+    else:
+        send = source.buffer
+    out = ctx._pool.empty(array.shape, plan.work_dtype)
+    result = Tensor(out, source.tensor.device if source.tensor is not None else ctx._cpu_device)
+    comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
+    size = group.size
+
+    def post() -> list[Any]:
+        return [comm.Iallreduce([send, datatype], [out, datatype], mpi_op)]
+
+    def finish() -> Tensor:
+        if plan.divide:
+            np.true_divide(out, size, out=out)
+        return result
+
+    record = check_record(ctx, group, Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members))
+    collective = Op(
+        "all_reduce",
+        group,
+        array.nbytes,
+        post,
+        finish,
+        record=record,
+        keep=(send, out),
+        protections=source.protect(),
+    )
+    return start(ctx, collective, result)

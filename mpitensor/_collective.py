@@ -1,0 +1,229 @@
+"""`CollectiveTensor`, the handle every collective returns, and what collectives share:
+turning inputs into buffers, protecting them, and starting ops on the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._backend import is_cupy_array
+from ._check import Record
+from ._context import DevicesArg, DistributedContext, current_context
+from ._dtypes import transfer_dtype
+from ._engine import COMPLETE, FAILED, Group, Op
+from ._errors import ContextClosedError, DeviceError
+from ._protect import Protection
+from ._tensor import Tensor
+
+__all__ = ["CollectiveTensor", "Input", "run_barrier", "take_input", "timeout_arg"]
+
+
+class CollectiveTensor:
+    """The result of a collective that may still be in flight.
+
+    Compute placed between the collective call and `resolve()` overlaps the
+    communication. The handle owns nothing MPI needs: dropping it unresolved is safe (the
+    context keeps the buffers until MPI is done).
+    """
+
+    __slots__ = ("_ctx", "_op", "_resolved", "_value")
+
+    def __init__(self, op: Op, value: Any, ctx: DistributedContext) -> None:
+        self._op = op
+        self._value = value
+        self._ctx = ctx
+        self._resolved = False
+
+    def resolve(self, timeout: float | None = None) -> Any:
+        """Wait for the collective, finish it, and return its result.
+
+        A second call returns the same result object.
+
+        Args:
+            timeout: seconds to wait at most; None uses the context's timeout
+                (`DistributedConfig.timeout` or ``MPITENSOR_TIMEOUT``), else waits forever.
+
+        Returns:
+            The result: a `Tensor` (``None`` on non-root ranks of `reduce`, and the same
+            structure of tensors for a fused all-reduce).
+
+        Raises:
+            CollectiveTimeoutError: the timeout passed (the context is then broken).
+            CollectiveMismatchError: the ranks disagreed (found by the check).
+            ContextClosedError: the context was closed before this handle was resolved.
+            ValueError: `timeout` is not positive.
+        """
+        op = self._op
+        if op.state == COMPLETE and (self._resolved or not self._ctx._closed):
+            self._resolved = True
+            return self._value
+        if op.state == FAILED:
+            assert op.error is not None
+            raise op.error
+        if self._ctx._closed:
+            raise ContextClosedError(
+                f"cannot resolve {op.describe()}: its context was closed first "
+                "(close() completed it, but results must be resolved before closing)"
+            )
+        self._ctx._engine.wait(op, timeout_arg(timeout, self._ctx))
+        self._resolved = True
+        return self._value
+
+    def assume_resolved(self) -> Any:
+        """Return the result without waiting (unsafe, as Burn's ``assume_resolved``).
+
+        The returned tensor is the one `resolve()` will return, but until the collective
+        completes its contents are undefined (and, for MEAN, not yet divided). Writing to
+        it before then raises `TensorInFlightError`. Call `resolve()` before using it.
+
+        Raises:
+            CollectiveMismatchError: the check already found the ranks disagree.
+        """
+        op = self._op
+        if op.state == FAILED:
+            assert op.error is not None
+            raise op.error
+        if op.state < COMPLETE:
+            self._ctx._engine.protect_outputs(op, self._value)
+        return self._value
+
+    def test(self) -> bool:
+        """Advance communication without blocking; True once the result is ready."""
+        op = self._op
+        if op.state < COMPLETE and not self._ctx._closed:
+            self._ctx._engine.progress()
+        return op.state >= COMPLETE
+
+    @property
+    def done(self) -> bool:
+        """True once the collective is complete (see `test()`; this calls it)."""
+        return self.test()
+
+    def __repr__(self) -> str:
+        return f"CollectiveTensor({self._op.describe()}, {self._op.state_name})"
+
+
+def timeout_arg(timeout: float | None, ctx: DistributedContext) -> float | None:
+    """The timeout to wait with: `timeout`, else the context's.
+
+    Raises:
+        ValueError: `timeout` is not a positive number.
+        TypeError: `timeout` is not a number.
+    """
+    if timeout is None:
+        return ctx.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+@dataclass
+class Input:
+    """A collective's input, made ready for MPI.
+
+    Attributes:
+        tensor: the Tensor given, or None for a bare array.
+        array: the array given (NumPy or CuPy).
+        buffer: what MPI reads: `array` itself, or a contiguous native copy of it.
+        copied: True when `buffer` is a private copy (needs no protection).
+    """
+
+    tensor: Tensor | None
+    array: Any
+    buffer: Any
+    copied: bool
+
+    @property
+    def on_gpu(self) -> bool:
+        """True for a CuPy input."""
+        return is_cupy_array(self.array)
+
+    def protect(self) -> tuple[Protection, ...]:
+        """Protect the input from writes while MPI reads it (nothing for a copy)."""
+        if self.copied:
+            return ()
+        return (Protection(self.tensor, self.array),)
+
+
+def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "input") -> Input:
+    """Check a collective's input and make it ready for MPI.
+
+    Non-contiguous or byte-swapped arrays are copied into a contiguous native buffer.
+
+    Raises:
+        TypeError: not a Tensor or NumPy/CuPy array, or a dtype MPI cannot carry.
+        DeviceError: a GPU tensor on another GPU than this rank's.
+    """
+    if isinstance(value, Tensor):
+        tensor, array = value, value._array
+    elif isinstance(value, np.ndarray) or is_cupy_array(value):
+        tensor, array = None, value
+    else:
+        raise TypeError(
+            f"{what} expects {argument} to be a mpitensor.Tensor or a NumPy array, "
+            f"got {type(value).__name__}"
+        )
+    dtype = transfer_dtype(array.dtype)
+    if is_cupy_array(array):
+        _check_gpu(array, ctx, what)
+    if array.flags.c_contiguous and dtype == array.dtype:
+        return Input(tensor, array, array, False)
+    if is_cupy_array(array):
+        import cupy
+
+        return Input(tensor, array, cupy.ascontiguousarray(array, dtype=dtype), True)
+    buffer = ctx._pool.empty(array.shape, dtype)
+    np.copyto(buffer, array, casting="no" if dtype == array.dtype else "equiv")
+    return Input(tensor, array, buffer, True)
+
+
+def _check_gpu(array: Any, ctx: DistributedContext, what: str) -> None:
+    device = ctx.device
+    if device.kind == "cuda" and int(array.device.id) != device.index:
+        raise DeviceError(
+            f"{what} got a tensor on cuda:{array.device.id}, but this rank's device is "
+            f"{device}; move it with tensor.to(ctx.device)"
+        )
+
+
+def start(ctx: DistributedContext, op: Op, value: Any) -> CollectiveTensor:
+    """Submit `op` to the context's engine and wrap it in a handle."""
+    ctx._engine.submit(op)
+    return CollectiveTensor(op, value, ctx)
+
+
+def check_record(ctx: DistributedContext, group: Group, record: Record) -> Record | None:
+    """`record` if this call is checked (check on, more than one rank), else None."""
+    if ctx._config.check and group.size > 1:
+        return record
+    return None
+
+
+def run_barrier(ctx: DistributedContext, devices: DevicesArg) -> None:
+    """Run a barrier on the group `devices` names and wait for it."""
+    ctx._ensure_usable()
+    group = ctx._group(devices)
+    record = check_record(ctx, group, Record("barrier", None, None, None, -1, group.members))
+    op = Op("barrier", group, 0, post=lambda: [group.comm.Ibarrier()], record=record)
+    ctx._engine.submit(op)
+    ctx._engine.wait(op, ctx.timeout)
+
+
+def context_for(what: str) -> DistributedContext:
+    """The current context, checked usable.
+
+    Raises:
+        NoContextError, ContextClosedError, ContextBrokenError.
+    """
+    ctx = current_context()
+    ctx._ensure_usable()
+    return ctx
+
+
+__all__ += ["check_record", "context_for", "start"]

@@ -1,0 +1,68 @@
+"""The exception hierarchy: every error mpitensor raises derives from `MpitensorError`.
+
+Errors about values also derive from `ValueError`, errors about types from `TypeError`,
+errors about state (lifecycle, a broken context) from `RuntimeError`, so code that catches
+the built-in kinds keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "ContextBrokenError",
+    "ContextClosedError",
+    "DeviceError",
+    "MpiFinalizedError",
+    "MpitensorError",
+    "NoContextError",
+    "TensorInFlightError",
+]
+
+
+class MpitensorError(Exception):
+    """Base class of every exception mpitensor raises."""
+
+
+class CollectiveMismatchError(MpitensorError, ValueError):
+    """Ranks called a collective with arguments that do not agree.
+
+    Raised on every participating rank, before any data moves. The message names what
+    differs, the ranks and their values. The context stays usable.
+    """
+
+
+class CollectiveTimeoutError(MpitensorError, TimeoutError):
+    """A collective did not complete within its timeout.
+
+    MPI cannot cancel a started collective, so the context that ran it is broken
+    afterwards: further use raises `ContextBrokenError`; `DistributedContext.abort()`
+    ends the job.
+    """
+
+
+class MpiFinalizedError(MpitensorError, RuntimeError):
+    """MPI was finalized in this process; it cannot be initialized again."""
+
+
+class ContextClosedError(MpitensorError, RuntimeError):
+    """The context (or the context a collective belongs to) is closed."""
+
+
+class ContextBrokenError(MpitensorError, RuntimeError):
+    """The context has a collective that can never complete (after a timeout)."""
+
+
+class NoContextError(MpitensorError, RuntimeError):
+    """No `DistributedContext` is open in this process."""
+
+
+class DeviceError(MpitensorError, RuntimeError):
+    """A device is not available here, not in the context, or from another context."""
+
+
+class TensorInFlightError(MpitensorError, RuntimeError, ValueError):
+    """A tensor was written while a collective reads or writes it.
+
+    Also a `ValueError`, as NumPy raises for writes to a read-only array.
+    """

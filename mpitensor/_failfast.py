@@ -1,0 +1,71 @@
+"""Fail-fast: an exception that escapes on one rank ends the whole job.
+
+Without it, one rank's uncaught exception leaves the other ranks waiting forever in a
+collective. While a context is open (or one was left by an exception), mpitensor's
+``sys.excepthook`` prints the traceback once, each line prefixed with the rank, and calls
+``MPI_Abort`` on ``MPI_COMM_WORLD``, which makes the launcher end every rank with a
+non-zero exit.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from types import TracebackType
+
+from . import _state
+from ._mpi import MPI
+
+__all__ = ["arm", "disarm_left_contexts", "note_left_by_exception"]
+
+_previous_hook = None
+_left_by_exception = 0
+
+
+def arm() -> None:
+    """Install the hook (once per process)."""
+    global _previous_hook
+    if _previous_hook is None:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def note_left_by_exception() -> None:
+    """A context was left by an exception: keep aborting on uncaught exceptions."""
+    global _left_by_exception
+    _left_by_exception += 1
+
+
+def disarm_left_contexts() -> None:
+    """Forget contexts left by exceptions (after MPI was finalized cleanly)."""
+    global _left_by_exception
+    _left_by_exception = 0
+
+
+def _armed() -> bool:
+    if not (_state.open_count() or _left_by_exception):
+        return False
+    return bool(MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1)
+
+
+def _excepthook(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
+    if not _armed():
+        (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
+        return
+    rank = MPI.COMM_WORLD.Get_rank()
+    size = MPI.COMM_WORLD.Get_size()
+    prefix = f"[rank {rank}] "
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    lines = [prefix + line for line in text.rstrip("\n").split("\n")]
+    lines.append(
+        f"{prefix}mpitensor: uncaught {exc_type.__name__} on rank {rank} of {size}; "
+        "aborting the job (MPI_Abort) so that the other ranks do not wait forever"
+    )
+    try:
+        sys.stderr.write("\n".join(lines) + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        MPI.COMM_WORLD.Abort(1)

@@ -1,0 +1,60 @@
+"""Write protection of buffers while a collective reads or writes them.
+
+A NumPy array handed to a collective is made read-only until MPI is done with it, so a
+write through it raises instead of changing what is being sent; a `Tensor` also refuses
+in-place operators and item assignment. Writes through other views of the same memory
+cannot be seen; the docs say so. Protection nests: an array in two collectives at once
+becomes writable again only after both.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from ._tensor import Tensor
+
+__all__ = ["Protection"]
+
+_lock = threading.Lock()
+# id(array) -> [array, count, was_writeable]; the array is held so its id stays unique.
+_locked: dict[int, list[Any]] = {}
+
+
+class Protection:
+    """Protects one input (a Tensor or an array) until `release()` is called."""
+
+    __slots__ = ("_array", "_tensor")
+
+    def __init__(self, tensor: Tensor | None, array: Any) -> None:
+        self._tensor = tensor
+        self._array = array if isinstance(array, np.ndarray) else None
+        if tensor is not None:
+            tensor._inflight += 1
+        if self._array is not None:
+            key = id(self._array)
+            with _lock:
+                entry = _locked.get(key)
+                if entry is None:
+                    _locked[key] = [self._array, 1, self._array.flags.writeable]
+                    self._array.flags.writeable = False
+                else:
+                    entry[1] += 1
+
+    def release(self) -> None:
+        """Lift this protection (idempotent)."""
+        tensor, self._tensor = self._tensor, None
+        if tensor is not None:
+            tensor._inflight -= 1
+        array, self._array = self._array, None
+        if array is not None:
+            key = id(array)
+            with _lock:
+                entry = _locked[key]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _locked[key]
+                    if entry[2]:
+                        array.flags.writeable = True

