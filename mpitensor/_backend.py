@@ -32,7 +32,7 @@ def require_cupy() -> ModuleType:
         )
     try:
         import cupy
-    except Exception as exc:  # noqa: BLE001 - CuPy raises many kinds when CUDA is broken
+    except Exception as exc:
         raise DeviceError(f"CuPy is installed but failed to import: {exc}") from exc
     return cupy
 

@@ -64,7 +64,7 @@ _DTYPE_LIST = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dtype_code(dtype: np.dtype | None) -> int:
     """A small integer naming `dtype`, equal on every rank (0 for None)."""
     if dtype is None:

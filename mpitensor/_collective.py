@@ -1,5 +1,6 @@
-"""`CollectiveTensor`, the handle every collective returns, and what collectives share:
-turning inputs into buffers, protecting them, and starting ops on the engine.
+"""`CollectiveTensor`, the handle every collective returns, and what collectives share.
+
+That is: turning inputs into buffers, protecting them, and starting ops on the engine.
 """
 
 from __future__ import annotations

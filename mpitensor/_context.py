@@ -1,5 +1,4 @@
-"""`DistributedContext`: MPI's lifecycle, the ranks and devices, communicators, and the
-collectives in flight.
+"""`DistributedContext`: the ranks and devices, their communicators, and what is in flight.
 
 A context spans a group of ranks (all of ``MPI_COMM_WORLD`` by default). It talks on its
 own duplicates of the world communicator, so its messages never mix with the program's
@@ -224,8 +223,10 @@ class DistributedContext:
             self._leave_on_exception()
 
     def close(self) -> None:
-        """Complete every collective in flight, free the communicators, and finalize MPI if
-        this was the last context and mpitensor initialized MPI (idempotent).
+        """Complete what is in flight, free the communicators, and finalize MPI if due.
+
+        MPI is finalized when this was the last open context and mpitensor initialized
+        MPI (unless finalization is deferred, see `defer_finalize`). Idempotent.
 
         Raises:
             CollectiveTimeoutError: the collectives in flight did not complete within the

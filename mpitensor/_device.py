@@ -142,5 +142,5 @@ def visible_gpu_count() -> int:
         import cupy
 
         return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # noqa: BLE001 - no driver, no device: CuPy raises its own kinds
+    except Exception:
         return 0

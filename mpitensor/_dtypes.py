@@ -116,7 +116,7 @@ def mpi_datatype(dtype: np.dtype) -> Any:
     return _byte_type(native.itemsize)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _byte_type(itemsize: int) -> Any:
     if itemsize == 2:
         return MPI.UINT16_T
@@ -125,7 +125,7 @@ def _byte_type(itemsize: int) -> Any:
     return datatype
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reduce_plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
     """Plan the reduction of `dtype` tensors with `op`.
 
@@ -157,7 +157,7 @@ _UFUNCS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _numpy_op(op: ReduceOperation, dtype: np.dtype) -> Any:
     """A user-defined MPI op applying NumPy's ufunc for `op` to `dtype` buffers.
 

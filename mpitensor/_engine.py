@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ._context import DistributedContext
     from ._protect import Protection
 
-__all__ = ["Engine", "Group", "Op"]
+__all__ = ["Engine", "Group", "Op", "Stepper"]
 
 # Op states, in the order an op moves through them.
 CHECKING = 0  # the consistency check (or metadata exchange) is in flight
@@ -41,6 +41,13 @@ FAILED = 4  # the check found a mismatch; nothing was sent
 _STATE_NAMES = ("checking", "queued", "posted", "complete", "failed")
 
 
+class Stepper(Protocol):
+    """An algorithm the engine drives in steps instead of waiting on MPI requests."""
+
+    def advance(self) -> bool:
+        """Do whatever can be done now without blocking; True once finished."""
+
+
 class Group:
     """One group of ranks of a context, with its communicators and its queue of ops.
 
@@ -50,7 +57,7 @@ class Group:
         check_comm: the communicator checks travel on (a duplicate of `comm`).
     """
 
-    __slots__ = ("check_comm", "check_seq", "comm", "members", "queue", "rank", "size", "extra")
+    __slots__ = ("check_comm", "check_seq", "comm", "extra", "members", "queue", "rank", "size")
 
     def __init__(self, members: tuple[int, ...], comm: Any, check_comm: Any) -> None:
         self.members = members
@@ -86,7 +93,8 @@ class Op:
         name: the operation, for messages (``"all_reduce"``).
         group: the group it runs on.
         nbytes: bytes of its input, for messages.
-        post: starts the data operation(s); returns their requests.
+        post: starts the data operation(s); returns their MPI requests, or a `Stepper`
+            for an algorithm the engine drives step by step (the shared-memory path).
         finish: turns the completed buffers into the result (MEAN division, ...).
         record: what this rank says about the call, or None to skip the check.
         keep: objects (buffers) to keep alive until MPI is done.
@@ -118,6 +126,7 @@ class Op:
         "result",
         "seq",
         "state",
+        "stepper",
     )
 
     def __init__(
@@ -144,6 +153,7 @@ class Op:
         self.exchange = exchange
         self.compare = compare and record is not None
         self.requests: list[Any] = []
+        self.stepper: Stepper | None = None
         self.state = QUEUED
         self.result: Any = None
         self.error: BaseException | None = None
@@ -289,7 +299,7 @@ class Engine:
 
     def _post_data(self, op: Op) -> None:
         try:
-            op.requests = op.post(op.gathered) if op.exchange else op.post()
+            started = op.post(op.gathered) if op.exchange else op.post()
         except MPI.Exception as exc:
             message = f"MPI failed to start {op.describe()}: {exc}"
             self.ctx._mark_broken(message)
@@ -300,7 +310,11 @@ class Engine:
             op.error = exc
             self._fail(op)
             return
-        if op.requests:
+        if isinstance(started, list):
+            op.requests = started
+        else:
+            op.stepper = started
+        if op.requests or op.stepper is not None:
             op.state = POSTED
             self.posted.append(op)
         else:
@@ -333,7 +347,7 @@ class Engine:
             if self.posted:
                 still = []
                 for op in self.posted:
-                    if MPI.Request.Testall(op.requests):
+                    if op.stepper.advance() if op.stepper is not None else MPI.Request.Testall(op.requests):
                         self._complete(op)
                     else:
                         still.append(op)
@@ -343,10 +357,11 @@ class Engine:
 
     def _complete(self, op: Op) -> None:
         op.requests = []
+        op.stepper = None
         self._release(op)
         try:
             op.result = op.finish() if op.finish is not None else None
-        except BaseException as exc:  # noqa: BLE001 - surfaced at resolve()
+        except BaseException as exc:
             op.error = exc
             op.state = FAILED
             return
@@ -392,7 +407,13 @@ class Engine:
             The op's error, if it failed.
         """
         if op.state < COMPLETE:
-            if timeout is None and op.state == POSTED and not self.waiting_groups and not self.progress_hooks:
+            if (
+                timeout is None
+                and op.state == POSTED
+                and op.stepper is None
+                and not self.waiting_groups
+                and not self.progress_hooks
+            ):
                 with self.lock:
                     if op.state == POSTED and not self.waiting_groups:
                         MPI.Request.Waitall(op.requests)

@@ -24,9 +24,9 @@ if "mpi4py.MPI" not in sys.modules:
     mpi4py.rc.initialize = False
     mpi4py.rc.finalize = False
 
-from mpi4py import MPI  # noqa: E402
+from mpi4py import MPI
 
-from ._errors import MpiFinalizedError  # noqa: E402
+from ._errors import MpiFinalizedError
 
 __all__ = [
     "MPI",

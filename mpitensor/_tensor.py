@@ -61,7 +61,9 @@ def resolve_device(device: Device | str | None) -> Device:
         kind, _, index = device.partition(":")
         device = Device(kind, int(index) if index else 0)
     if not isinstance(device, Device):
-        raise TypeError(f"device must be a mpitensor.Device, a string such as 'cuda:0', or None; got {type(device).__name__}")
+        raise TypeError(
+            f"device must be a mpitensor.Device, a string such as 'cuda:0', or None; got {type(device).__name__}"
+        )
     rank = _this_rank()
     if device.rank is not None and rank is not None and device.rank != rank:
         raise DeviceError(f"device {device} belongs to rank {device.rank}; this is rank {rank}")
