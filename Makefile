@@ -6,7 +6,7 @@ VENV ?= .venv
 NP ?= 4
 export PYTHON
 
-.PHONY: venv demo test test-openmpi test-mpich lint bench info clean
+.PHONY: venv demo test test-openmpi test-mpich lint info clean
 
 venv:
 	@scripts/make-venv.sh $(VENV) $(MPI)
@@ -33,3 +33,6 @@ info: venv
 
 clean:
 	rm -rf .venv .venv-openmpi .venv-mpich logs build *.egg-info
+
+# Targets of the cluster tests (Slurm, several hosts) and the benchmark live beside this file.
+-include mk/*.mk
