@@ -17,7 +17,10 @@ The API mirrors the distributed module of the Burn framework.
 
 from __future__ import annotations
 
+from ._all_gather import all_gather
 from ._all_reduce import all_reduce
+from ._all_to_all import all_to_all
+from ._broadcast import broadcast
 from ._collective import CollectiveTensor
 from ._config import DistributedConfig, ReduceOperation
 from ._context import DistributedContext, barrier, current_context
@@ -34,6 +37,9 @@ from ._errors import (
     TensorInFlightError,
 )
 from ._mpi import defer_finalize
+from ._p2p import recv, send
+from ._reduce import reduce
+from ._reduce_scatter import reduce_scatter
 from ._tensor import Tensor, arange, as_tensor, empty, from_numpy, full, ones, tensor, zeros
 
 __version__ = "0.1.0"
@@ -55,16 +61,23 @@ __all__ = [
     "Tensor",
     "TensorInFlightError",
     "__version__",
+    "all_gather",
     "all_reduce",
+    "all_to_all",
     "arange",
     "as_tensor",
     "barrier",
+    "broadcast",
     "current_context",
     "defer_finalize",
     "empty",
     "from_numpy",
     "full",
     "ones",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "send",
     "tensor",
     "zeros",
 ]

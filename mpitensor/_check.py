@@ -20,6 +20,9 @@ from ._errors import CollectiveMismatchError
 
 __all__ = [
     "ABANDON",
+    "MAX_DIMS",
+    "dtype_from_code",
+    "PER_RANK_SLOT",
     "KIND_NAMES",
     "RECORD_LEN",
     "Record",
@@ -35,6 +38,7 @@ RECORD_LEN = 4 + MAX_DIMS + 5
 _KIND, _OP, _DTYPE, _NDIM, _DIMS = 0, 1, 2, 3, 4
 _ROOT = _DIMS + MAX_DIMS
 _GROUP, _GSIZE, _PER_RANK, _EXTRA = _ROOT + 1, _ROOT + 2, _ROOT + 3, _ROOT + 4
+PER_RANK_SLOT = _PER_RANK
 
 # Hashes are masked to 62 bits so that -h never overflows int64; -1 marks a rank that
 # abandons a check it cannot take part in (see the deadlock diagnosis).
@@ -73,6 +77,25 @@ def dtype_code(dtype: np.dtype | None) -> int:
     if name in _DTYPE_LIST:
         return _DTYPE_LIST.index(name) + 1
     return (hash(dtype.str) & 0xFFFF) + 1000
+
+
+def dtype_from_code(code: int) -> np.dtype:
+    """The dtype `dtype_code` gave `code`.
+
+    Raises:
+        TypeError: the code names no dtype this process knows.
+    """
+    if 1 <= code <= len(_DTYPE_LIST):
+        name = _DTYPE_LIST[code - 1]
+        if name == "bfloat16":
+            from ._halfprec import bfloat16_dtype
+
+            found = bfloat16_dtype()
+            if found is None:
+                raise TypeError("a peer sent bfloat16 data, but ml_dtypes is not installed here")
+            return found
+        return np.dtype(np.longdouble if name == "longdouble" else name)
+    raise TypeError(f"a peer sent a dtype this rank does not know (code {code})")
 
 
 def _dtype_name(code: int) -> str:

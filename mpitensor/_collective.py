@@ -20,7 +20,7 @@ from ._errors import ContextClosedError, DeviceError
 from ._protect import Protection
 from ._tensor import Tensor
 
-__all__ = ["CollectiveTensor", "Input", "run_barrier", "take_input", "timeout_arg"]
+__all__ = ["CollectiveTensor", "Input", "Later", "run_barrier", "take_input", "timeout_arg"]
 
 
 class CollectiveTensor:
@@ -61,6 +61,8 @@ class CollectiveTensor:
         op = self._op
         if op.state == COMPLETE and (self._resolved or not self._ctx._closed):
             self._resolved = True
+            if isinstance(self._value, Later):
+                self._value = op.result
             return self._value
         if op.state == FAILED:
             assert op.error is not None
@@ -72,6 +74,8 @@ class CollectiveTensor:
             )
         self._ctx._engine.wait(op, timeout_arg(timeout, self._ctx))
         self._resolved = True
+        if isinstance(self._value, Later):
+            self._value = op.result
         return self._value
 
     def assume_resolved(self) -> Any:
@@ -88,9 +92,18 @@ class CollectiveTensor:
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
+        if isinstance(self._value, Later):
+            # The result's shape comes from the other ranks: wait for that exchange only.
+            self._ctx._engine.wait_posted(op, self._ctx.timeout)
+            if op.state == FAILED:
+                assert op.error is not None
+                raise op.error
+            value = self._value.value
+        else:
+            value = self._value
         if op.state < COMPLETE:
-            self._ctx._engine.protect_outputs(op, self._value)
-        return self._value
+            self._ctx._engine.protect_outputs(op, value)
+        return value
 
     def test(self) -> bool:
         """Advance communication without blocking; True once the result is ready."""
@@ -122,6 +135,18 @@ def timeout_arg(timeout: float | None, ctx: DistributedContext) -> float | None:
     if not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return float(timeout)
+
+
+class Later:
+    """A result that exists only once the op is posted (its shape comes from the peers).
+
+    The op's `post()` sets `value`; `finish()` returns it.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Any = None
 
 
 @dataclass
@@ -227,4 +252,44 @@ def context_for(what: str) -> DistributedContext:
     return ctx
 
 
-__all__ += ["check_record", "context_for", "start"]
+def root_rank(ctx: DistributedContext, root: Any) -> int:
+    """The root's context rank, from an int rank or a `Device`.
+
+    Raises:
+        TypeError: `root` is neither.
+        DeviceError: a Device that is not in the context.
+    """
+    from ._device import Device
+
+    if isinstance(root, Device):
+        return ctx._rank_of_device(root)
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"root must be a rank (int) or a mpitensor.Device, got {type(root).__name__}")
+    return int(root)
+
+
+def group_root(group: Group, root: int, what: str) -> int:
+    """The root's index in `group` (its rank in the group's communicator).
+
+    Called when the data is posted, after the check: ranks that agree on a bad root all
+    raise here, at the same point, so none is left waiting.
+
+    Raises:
+        ValueError: `root` is negative or not a member of the group.
+    """
+    if root < 0:
+        raise ValueError(f"{what}: root must be a rank >= 0, got {root}")
+    try:
+        return group.members.index(root)
+    except ValueError:
+        raise ValueError(
+            f"{what}: root {root} is not in the group {group.describe()}; the root must be one of its ranks"
+        ) from None
+
+
+def result_device(ctx: DistributedContext, source: Input) -> Any:
+    """The device a host result goes to: the input tensor's, else this rank's CPU."""
+    return source.tensor.device if source.tensor is not None else ctx._cpu_device
+
+
+__all__ += ["check_record", "context_for", "group_root", "result_device", "root_rank", "start"]

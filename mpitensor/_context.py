@@ -117,6 +117,8 @@ class DistributedContext:
         full = tuple(range(self._size))
         self._full = Group(full, comm.Dup(), comm.Dup())
         self._groups[full] = self._full
+        # Point-to-point messages travel apart from collectives and never queue behind them.
+        self._p2p = Group(full, comm.Dup(), MPI.COMM_NULL)
         self._engine = Engine(self)
         self._pool = _host_pool
         self._diagnosis: Any = None
@@ -267,6 +269,7 @@ class DistributedContext:
         MPI.COMM_WORLD.Abort(errorcode)
 
     def _free(self) -> None:
+        self._p2p.free()
         for group in self._groups.values():
             group.free()
         self._groups.clear()

@@ -425,6 +425,11 @@ class Engine:
             assert op.error is not None
             raise op.error
 
+    def wait_posted(self, op: Op, timeout: float | None) -> None:
+        """Block until `op`'s data is posted (or it completed or failed)."""
+        if op.state < POSTED:
+            self._poll_until(lambda: op.state >= POSTED, timeout, op)
+
     def _wait_check(self, op: Op, grace: float) -> None:
         deadline = time.monotonic() + grace
         backoff = _Backoff()

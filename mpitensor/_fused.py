@@ -1,0 +1,179 @@
+"""The fused all-reduce of many tensors: packed into buckets, one ``MPI_Iallreduce`` each.
+
+Many small all-reduces cost one latency each; packed into buckets of
+`DistributedConfig.bucket_bytes` (PyTorch DDP's idea) they cost a few. Tensors are grouped
+by the dtype MPI reduces them in and packed in their given order; a tensor larger than a
+bucket gets a bucket of its own. The results are views into the buckets' result buffers,
+so unpacking copies nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._check import Record
+from ._collective import CollectiveTensor, Input, check_record, result_device, start, take_input
+from ._config import ReduceOperation, parse_op
+from ._context import DevicesArg, DistributedContext
+from ._dtypes import ReducePlan, reduce_plan
+from ._engine import Group, Op
+from ._tensor import Tensor
+
+__all__ = ["Bucket", "fused_all_reduce", "plan_buckets", "structure_hash"]
+
+
+@dataclass
+class Bucket:
+    """Tensors (by index) that travel in one buffer, and where each one sits in it."""
+
+    plan: ReducePlan
+    members: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    elements: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the bucket's buffer in bytes."""
+        return self.elements * self.plan.work_dtype.itemsize
+
+
+def plan_buckets(sizes: Sequence[int], plans: Sequence[ReducePlan], bucket_bytes: int) -> list[Bucket]:
+    """Pack tensors into buckets of at most `bucket_bytes`, one dtype per bucket.
+
+    Args:
+        sizes: each tensor's number of elements, in the order to pack them.
+        plans: each tensor's reduce plan (the dtype MPI reduces it in).
+        bucket_bytes: the most bytes a bucket holds (a larger tensor goes alone).
+
+    Returns:
+        The buckets, in the order their first tensor appears.
+    """
+    buckets: list[Bucket] = []
+    open_by_plan: dict[int, Bucket] = {}
+    for index, (size, plan) in enumerate(zip(sizes, plans)):
+        # Plans are cached per (op, dtype), so one plan object means one MPI op and dtype.
+        bucket = open_by_plan.get(id(plan))
+        nbytes = size * plan.work_dtype.itemsize
+        if bucket is None or (bucket.members and bucket.nbytes + nbytes > bucket_bytes):
+            bucket = Bucket(plan)
+            buckets.append(bucket)
+            open_by_plan[id(plan)] = bucket
+        bucket.members.append(index)
+        bucket.offsets.append(bucket.elements)
+        bucket.elements += size
+    return buckets
+
+
+def structure_hash(keys: Iterable[Any], arrays: Iterable[Any]) -> int:
+    """A hash of the names, shapes and dtypes of a structure, equal on every rank."""
+    text = repr([(repr(k), tuple(a.shape), a.dtype.str) for k, a in zip(keys, arrays)])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def _flatten(structure: Any) -> tuple[list[Any], list[Any]]:
+    if isinstance(structure, dict):
+        return list(structure.keys()), list(structure.values())
+    return list(range(len(structure))), list(structure)
+
+
+def _rebuild(structure: Any, keys: list[Any], values: list[Any]) -> Any:
+    if isinstance(structure, dict):
+        return dict(zip(keys, values))
+    if isinstance(structure, tuple):
+        return tuple(values)
+    return list(values)
+
+
+def fused_all_reduce(
+    ctx: DistributedContext,
+    structure: Any,
+    op: ReduceOperation | str | None,
+    devices: DevicesArg,
+    *,
+    bucket_bytes: int | None = None,
+    kind: str = "fused all_reduce",
+) -> CollectiveTensor:
+    """All-reduce a list, tuple or dict of tensors as one fused operation.
+
+    Args:
+        ctx: the context.
+        structure: the tensors (Tensor or NumPy array leaves).
+        op: the reduction; None for the context's default.
+        devices: the group; None for every rank of the context.
+        bucket_bytes: the bucket size; None for ``ctx.config.bucket_bytes``.
+        kind: the operation's name in messages and in the check.
+
+    Returns:
+        A `CollectiveTensor` resolving to the same structure of result tensors.
+
+    Raises:
+        TypeError: a leaf is not a tensor/array, or a CUDA tensor.
+    """
+    reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
+    group = ctx._group(devices)
+    keys, values = _flatten(structure)
+    inputs = [take_input(v, ctx, "all_reduce", f"every tensor of the {type(structure).__name__}") for v in values]
+    if any(item.on_gpu for item in inputs):
+        from ._gpu_path import gpu_fused_all_reduce
+
+        return gpu_fused_all_reduce(ctx, structure, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
+    return _start_fused(ctx, group, structure, keys, inputs, reduce_op, bucket_bytes, kind)
+
+
+def _start_fused(
+    ctx: DistributedContext,
+    group: Group,
+    structure: Any,
+    keys: list[Any],
+    inputs: list[Input],
+    reduce_op: ReduceOperation,
+    bucket_bytes: int | None,
+    kind: str,
+) -> CollectiveTensor:
+    plans = [reduce_plan(reduce_op, item.buffer.dtype) for item in inputs]
+    sizes = [int(item.buffer.size) for item in inputs]
+    buckets = plan_buckets(sizes, plans, bucket_bytes or ctx._config.bucket_bytes)
+    outputs: list[Any] = [None] * len(inputs)
+    sends, recvs = [], []
+    for bucket in buckets:
+        dtype = bucket.plan.work_dtype
+        send = ctx._pool.empty((bucket.elements,), dtype)
+        out = ctx._pool.empty((bucket.elements,), dtype)
+        for index, offset in zip(bucket.members, bucket.offsets):
+            item = inputs[index]
+            size = sizes[index]
+            np.copyto(send[offset : offset + size], item.buffer.reshape(-1), casting="unsafe")
+            view = out[offset : offset + size].reshape(item.array.shape)
+            outputs[index] = Tensor(view, result_device(ctx, item))
+        sends.append(send)
+        recvs.append(out)
+    result = _rebuild(structure, keys, outputs)
+    comm, size = group.comm, group.size
+
+    def post() -> list[Any]:
+        return [
+            comm.Iallreduce([send, b.plan.datatype], [out, b.plan.datatype], b.plan.mpi_op)
+            for b, send, out in zip(buckets, sends, recvs)
+        ]
+
+    def finish() -> Any:
+        for bucket, out in zip(buckets, recvs):
+            if bucket.plan.divide:
+                np.true_divide(out, size, out=out)
+        return result
+
+    shape_summary = (len(inputs), sum(sizes))
+    record = check_record(
+        ctx,
+        group,
+        Record(kind, reduce_op, None, shape_summary, -1, group.members,
+               extra=structure_hash(keys, [item.array for item in inputs])),
+    )
+    nbytes = sum(item.array.nbytes for item in inputs)
+    fused = Op(kind, group, nbytes, post, finish, record=record, keep=(*sends, *recvs))
+    return start(ctx, fused, result)
