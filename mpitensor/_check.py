@@ -10,6 +10,7 @@ differ do they gather the full records, to name what differs, the ranks and thei
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,10 +74,12 @@ def dtype_code(dtype: np.dtype | None) -> int:
     """A small integer naming `dtype`, equal on every rank (0 for None)."""
     if dtype is None:
         return 0
+    if not dtype.isnative:
+        dtype = dtype.newbyteorder("=")
     name = "longdouble" if dtype == np.longdouble and dtype != np.float64 else str(dtype)
     if name in _DTYPE_LIST:
         return _DTYPE_LIST.index(name) + 1
-    return (hash(dtype.str) & 0xFFFF) + 1000
+    return (zlib.crc32(dtype.str.encode()) & 0xFFFF) + 1000
 
 
 def dtype_from_code(code: int) -> np.dtype:

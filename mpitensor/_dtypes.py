@@ -35,7 +35,7 @@ _NATIVE: dict[np.dtype, Any] = {
     np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX,
 }
 # float16 has no name in MPI 3; implementations that know it expose it under several names.
-for _name in ("C_FLOAT16", "SHORT_FLOAT", "REAL2"):
+for _name in ("FLOAT16_T", "C_FLOAT16", "SHORT_FLOAT", "REAL2"):
     _dt = getattr(MPI, _name, MPI.DATATYPE_NULL)
     if _dt != MPI.DATATYPE_NULL:
         _NATIVE[np.dtype(np.float16)] = _dt

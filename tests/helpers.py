@@ -1,0 +1,143 @@
+"""Shared test helpers: every rank's inputs from seeds, NumPy references, child jobs."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+import mpitensor as mt
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OP = mt.ReduceOperation
+
+SIGNED = [np.int8, np.int16, np.int32, np.int64]
+UNSIGNED = [np.uint8, np.uint16, np.uint32, np.uint64]
+FLOATS = [np.float16, np.float32, np.float64]
+COMPLEX = [np.complex64, np.complex128]
+ALL_DTYPES = [np.bool_, *SIGNED, *UNSIGNED, *FLOATS, *COMPLEX]
+SHAPES = [(), (0,), (7,), (3, 4), (2, 3, 5)]
+
+_UFUNCS = {OP.SUM: np.add, OP.PROD: np.multiply, OP.MAX: np.maximum, OP.MIN: np.minimum}
+
+
+def seed_of(*parts: object) -> int:
+    """A seed from test parameters, equal in every process (str hashes are not)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def rank_input(seed: int, rank: int, shape: Sequence[int], dtype: np.dtype | type) -> np.ndarray:
+    """Rank `rank`'s input for test `seed`: the same on every rank that computes it.
+
+    Values are small (|x| <= 3 for integers) so that PROD over 4 ranks fits int8.
+    """
+    rng = np.random.default_rng([seed, rank])
+    dtype = np.dtype(dtype)
+    shape = tuple(shape)
+    if dtype.kind == "b":
+        return np.asarray(rng.random(shape) < 0.5)
+    if dtype.kind == "u":
+        return np.asarray(rng.integers(0, 4, shape)).astype(dtype)
+    if dtype.kind == "i":
+        return np.asarray(rng.integers(-3, 4, shape)).astype(dtype)
+    if dtype.kind == "c":
+        return np.asarray(rng.uniform(-1, 1, shape) + 1j * rng.uniform(-1, 1, shape)).astype(dtype)
+    return np.asarray(rng.uniform(-1, 1, shape)).astype(dtype)
+
+
+def reference(op: mt.ReduceOperation, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """What reducing `arrays` element-wise with `op` gives, by NumPy's rules."""
+    if op is OP.MEAN:
+        if arrays[0].dtype.kind in "biu":
+            return np.mean(np.stack(arrays).astype(np.float64), axis=0)
+        return functools.reduce(np.add, arrays) / np.asarray(len(arrays), dtype=arrays[0].dtype.type(0).real.dtype)
+    return functools.reduce(_UFUNCS[op], arrays)
+
+
+def tolerance(dtype: np.dtype, count: int) -> float:
+    """A bound on the rounding difference of two summation orders of `count` values."""
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "fc":
+        return 0.0
+    eps = float(np.finfo(dtype).eps)
+    return 4 * eps * max(count, 2)
+
+
+def assert_matches(result: mt.Tensor | np.ndarray, expected: np.ndarray, op: mt.ReduceOperation | None = None,
+                   count: int = 1) -> None:
+    """`result` equals `expected` in shape and dtype, exactly for integers and selections,
+    to round-off for float sums and products."""
+    got = np.asarray(result)
+    assert got.shape == expected.shape, f"shape {got.shape} != {expected.shape}"
+    assert got.dtype == expected.dtype, f"dtype {got.dtype} != {expected.dtype}"
+    exact = expected.dtype.kind not in "fc" or op in (OP.MAX, OP.MIN)
+    if exact:
+        np.testing.assert_array_equal(got, expected)
+    else:
+        tol = tolerance(expected.dtype, count)
+        np.testing.assert_allclose(got, expected, rtol=tol, atol=tol)
+
+
+@dataclass
+class ChildResult:
+    """What a child job did: exit status, output, and wall time."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def _clean_env(extra: dict[str, str] | None) -> dict[str, str]:
+    # A child job must not inherit this process's own MPI launch (pytest may itself run
+    # as a singleton MPI process).
+    prefixes = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "HYDRA_", "MPI_LOCAL", "MPIR_", "SLURM_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("MPITENSOR_TIMEOUT", None)
+    env.pop("MPITENSOR_FINALIZE", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run_job(script: str, nprocs: int, timeout: float = 60, env: dict[str, str] | None = None,
+            tmp_path: pathlib.Path | None = None) -> ChildResult:
+    """Run `script` (Python source) as a job of `nprocs` ranks under this venv's mpiexec.
+
+    The job is killed after `timeout` seconds (the result then has returncode 124).
+    """
+    directory = tmp_path if tmp_path is not None else pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
+    path = directory / f"job_{os.getpid()}_{time.monotonic_ns()}.py"
+    path.write_text(textwrap.dedent(script))
+    venv = pathlib.Path(sys.executable).parent.parent
+    command = [str(ROOT / "scripts" / "mpirun.sh"), "--venv", str(venv), "-n", str(nprocs), sys.executable, str(path)]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_clean_env(env),
+                              start_new_session=True)
+        code, out, err = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as exc:
+        code = 124
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        _kill_group(exc)
+    return ChildResult(code, out, err, time.monotonic() - start)
+
+
+def _kill_group(exc: subprocess.TimeoutExpired) -> None:
+    # subprocess.run killed mpiexec itself; make sure no rank outlives it.
+    subprocess.run(["pkill", "-9", "-f", str(exc.cmd[-1])], check=False)
