@@ -10,7 +10,14 @@ import numpy as np
 
 from ._errors import DeviceError
 
-__all__ = ["array_module", "cupy_available", "is_cupy_array", "is_supported_array", "require_cupy"]
+__all__ = [
+    "array_module",
+    "cupy_available",
+    "is_cupy_array",
+    "is_supported_array",
+    "require_cuda_device",
+    "require_cupy",
+]
 
 
 def cupy_available() -> bool:
@@ -34,6 +41,26 @@ def require_cupy() -> ModuleType:
         import cupy
     except Exception as exc:
         raise DeviceError(f"CuPy is installed but failed to import: {exc}") from exc
+    return cupy
+
+
+def require_cuda_device(index: int) -> ModuleType:
+    """Import CuPy and check that this process sees GPU `index`.
+
+    Args:
+        index: the GPU number (after ``CUDA_VISIBLE_DEVICES``).
+
+    Returns:
+        The CuPy module.
+
+    Raises:
+        DeviceError: CuPy is missing, no GPU is visible, or there is no GPU `index`.
+    """
+    from ._device import plan_device, probe_gpus
+
+    cupy = require_cupy()
+    count, reason = probe_gpus()
+    plan_device(0, count, kind="cuda", index=index, reason=reason)
     return cupy
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import _failfast, _mpi, _state
 from ._config import DistributedConfig
-from ._device import Device, gpu_for_local_rank, local_rank_from_env, visible_gpu_count
+from ._device import Device, choose_device, local_rank_from_env
 from ._engine import Engine, Group
 from ._errors import ContextBrokenError, ContextClosedError, DeviceError
 from ._mpi import MPI
@@ -415,22 +415,14 @@ def _parse_init_devices(devices: DevicesArg, world_rank: int, world_size: int) -
 
 def _choose_device(chosen: Device | None, config: DistributedConfig, local_rank: int, world_rank: int) -> Device:
     if chosen is not None:
-        kind, index = chosen.kind, chosen.index
-        if kind == "cuda":
-            count = visible_gpu_count()
-            if index >= count:
-                raise DeviceError(
-                    f"rank {world_rank} was given device {chosen}, but it sees {count} CUDA "
-                    "GPU(s) (check CUDA_VISIBLE_DEVICES and the job's GPU allocation)"
-                )
+        device = choose_device(local_rank, world_rank, kind=chosen.kind, index=chosen.index)
     else:
-        kind = config.device or ("cuda" if visible_gpu_count() > 0 else "cpu")
-        index = gpu_for_local_rank(local_rank, visible_gpu_count()) if kind == "cuda" else 0
-    if kind == "cuda":
+        device = choose_device(local_rank, world_rank, kind=config.device)
+    if device.kind == "cuda":
         from ._backend import require_cupy
 
-        require_cupy().cuda.Device(index).use()
-    return Device(kind, index, world_rank)
+        require_cupy().cuda.Device(device.index).use()
+    return device
 
 
 def current_context() -> DistributedContext:

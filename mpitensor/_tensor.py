@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _state
-from ._backend import array_module, is_cupy_array, is_supported_array, require_cupy
+from ._backend import array_module, is_cupy_array, is_supported_array, require_cuda_device, require_cupy
 from ._device import Device
 from ._errors import DeviceError, TensorInFlightError
 from ._mpi import world_rank
@@ -53,7 +53,8 @@ def resolve_device(device: Device | str | None) -> Device:
 
     Raises:
         TypeError: `device` is not a Device, a string or None.
-        DeviceError: the device belongs to another rank.
+        DeviceError: the device belongs to another rank, or is a GPU this process does
+            not have (or CuPy is missing).
     """
     if device is None:
         return default_device()
@@ -69,6 +70,8 @@ def resolve_device(device: Device | str | None) -> Device:
         raise DeviceError(f"device {device} belongs to rank {device.rank}; this is rank {rank}")
     if device.rank is None:
         device = Device(device.kind, device.index, rank)
+    if device.kind == "cuda":
+        require_cuda_device(device.index)
     return device
 
 
