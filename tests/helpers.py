@@ -128,7 +128,7 @@ def run_job(script: str, nprocs: int, timeout: float = 60, env: dict[str, str] |
     start = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_clean_env(env),
-                              start_new_session=True)
+                              start_new_session=True, check=False)
         code, out, err = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as exc:
         code = 124

@@ -1,0 +1,79 @@
+"""The fused all-reduce of lists, tuples and dicts of tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mpitensor as mt
+from mpitensor._dtypes import reduce_plan
+from mpitensor._fused import plan_buckets
+from tests.helpers import OP, assert_matches, rank_input, reference, seed_of
+
+SPECS = [((3,), np.float32), ((2, 5), np.float64), ((), np.int32), ((4,), np.int8), ((0,), np.float32),
+         ((7, 3), np.float32), ((6,), np.bool_), ((2,), np.complex128)]
+
+
+def _inputs(seed: int, rank: int) -> list[np.ndarray]:
+    return [rank_input(seed + i, rank, shape, dtype) for i, (shape, dtype) in enumerate(SPECS)]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("bucket_bytes", [16, 64, 1 << 20])
+@pytest.mark.parametrize("op", list(OP), ids=lambda o: o.name)
+def test_fused_equals_per_tensor_results(module_ctx, op, bucket_bytes):
+    ctx = module_ctx
+    seed = seed_of("fused", op.name, bucket_bytes)
+    specs_ok = list(range(len(SPECS)))
+    mine = _inputs(seed, ctx.rank)
+    with mt.DistributedContext.init(config=mt.DistributedConfig(bucket_bytes=bucket_bytes)):
+        results = mt.all_reduce([mine[i] for i in specs_ok], op).resolve()
+        singles = [mt.all_reduce(mine[i], op).resolve() for i in specs_ok]
+    assert isinstance(results, list) and len(results) == len(specs_ok)
+    everyone = [_inputs(seed, r) for r in range(ctx.size)]
+    for index, got, single in zip(specs_ok, results, singles):
+        expected = reference(op, [inputs[index] for inputs in everyone])
+        assert_matches(got, expected, op, ctx.size)
+        assert_matches(got, np.asarray(single), op, ctx.size)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_structures_are_kept(module_ctx):
+    ctx = module_ctx
+    pair = mt.all_reduce((np.ones(2), mt.ones(3, dtype=np.int64))).resolve()
+    assert isinstance(pair, tuple) and len(pair) == 2
+    named = mt.all_reduce({"w": np.ones((2, 2)), "b": np.zeros(2)}, "mean").resolve()
+    assert list(named) == ["w", "b"]
+    np.testing.assert_array_equal(named["w"].numpy(), np.ones((2, 2)))
+    np.testing.assert_array_equal(pair[1].numpy(), np.full(3, ctx.size))
+    assert mt.all_reduce([]).resolve() == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fused_results_are_bit_identical_on_every_rank(module_ctx):
+    ctx = module_ctx
+    mine = [rank_input(seed_of("bits", i), ctx.rank, (257,), np.float32) for i in range(20)]
+    results = mt.all_reduce(mine, "mean").resolve()
+    packed = np.concatenate([np.asarray(r).view(np.uint32) for r in results])
+    everyone = mt.all_gather(packed[None, :]).resolve().numpy()
+    assert (everyone == everyone[0]).all()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_inputs_may_be_reused_at_once(module_ctx):
+    ctx = module_ctx
+    grads = [np.ones(4), np.ones(3)]
+    pending = mt.all_reduce(grads)
+    grads[0][:] = 100.0  # packed into the bucket at the call: this cannot change the result
+    np.testing.assert_array_equal(pending.resolve()[0].numpy(), np.full(4, float(ctx.size)))
+
+
+def test_bucket_plan_packs_in_order_and_splits_by_size_and_dtype():
+    f32 = reduce_plan(OP.SUM, np.dtype(np.float32))
+    i64 = reduce_plan(OP.SUM, np.dtype(np.int64))
+    buckets = plan_buckets([10, 10, 3, 100, 5], [f32, f32, i64, f32, i64], bucket_bytes=80)
+    assert [(b.plan.work_dtype.name, b.members, b.offsets) for b in buckets] == [
+        ("float32", [0, 1], [0, 10]),
+        ("int64", [2, 4], [0, 3]),
+        ("float32", [3], [0]),
+    ]
