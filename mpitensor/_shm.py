@@ -1,0 +1,696 @@
+"""The shared-memory all-reduce among the ranks of a node, and the hierarchical scheme across nodes.
+
+For large host messages, MPI's all-reduce moves every byte through its own buffers several
+times. Here the ranks of a node share memory instead:
+
+1. Each rank copies its input into a *slot* block that its node peers can map (all but the
+   slice it reduces itself), and says where its blocks are.
+2. Local rank k reduces slice k of the message over the node's ranks, in rank order, in
+   cache-sized pieces, and writes the reduced slice straight into every rank's *result* block
+   (flat scheme, all ranks on one node), or into the node leader's (hierarchical scheme).
+3. Hierarchical only: the node leaders all-reduce the node sums with point-to-point messages
+   (each leader reduces one segment, in leader order, and sends it to the others), then the
+   other ranks of each node copy the result from their leader's block.
+
+Each element is reduced in exactly one place in one fixed order, so every rank gets the same
+bits. Each rank's result is a block of its own shared memory, leased to the caller like
+`_pool.py`'s blocks: it stays valid for as long as the array (or a view) lives, and only
+then returns to the rank's pool of blocks. Peers write into it only during an operation
+that names it.
+
+Why memory blocks of our own rather than MPI shared windows: ``MPI_Win_allocate_shared`` is
+a blocking collective, and there is no point inside a non-blocking operation where a rank
+may block until its peers arrive (they may be waiting on it elsewhere). A block here is a
+``memfd`` that only its owner creates, grows and frees; peers map it through
+``/proc/<pid>/fd/<fd>`` (checked by inode) when an operation names it, and cache the
+mapping. Nothing is ever created collectively, so nothing can hang, and a rank never waits
+for its peers to agree on a size.
+
+Ordering between ranks uses non-blocking collectives on the group's own duplicate
+communicator (``MPI_Comm_idup``, issued by the first such operation in the group's data
+order), tested from `advance()`:
+
+- an all-gather of each rank's block descriptors, posted after its copy-in (nobody reads a
+  slot before it is written);
+- an all-reduce (MIN) of "my part went well", posted after the reduction (nobody returns a
+  result before every slice is in it, nor reuses a slot someone still reads). Ranks that
+  cannot map a peer's memory (other containers, no ``/proc``) say so there, every rank
+  then runs a plain ``MPI_Iallreduce`` for that operation, and the group stops using the
+  fast path (every rank decides this from the same values).
+
+Operations of one group run one at a time in the group's data order, so the collectives on
+the duplicate communicator are posted in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from ._mpi import MPI
+
+if TYPE_CHECKING:
+    from ._context import DistributedContext
+    from ._dtypes import ReducePlan
+    from ._engine import Group, Stepper
+
+__all__ = ["SharedMemoryPost", "min_bytes", "node_layout", "shared_memory_post"]
+
+_DEFAULT_MIN_BYTES = 256 << 10
+# Reduce in pieces that stay in the core's cache, so that copying a reduced piece to the
+# peers' result blocks reads it from cache instead of memory.
+_PIECE_BYTES = 512 << 10
+_PAGE = mmap.PAGESIZE
+_MAX_CACHED_BYTES = 1 << 30
+_MAX_PEER_MAPS = 64
+_TAG_SCATTER = 0x6D74
+_TAG_GATHER = 0x6D75
+_EXTRA_KEY = "shared_memory"
+
+# MPI op -> NumPy ufunc. A list, because MPI.Op objects are not hashable.
+_UFUNCS: list[tuple[Any, Any]] = [
+    (MPI.SUM, np.add),
+    (MPI.PROD, np.multiply),
+    (MPI.MAX, np.maximum),
+    (MPI.MIN, np.minimum),
+    (MPI.LOR, np.logical_or),
+    (MPI.LAND, np.logical_and),
+]
+
+# The descriptor each rank publishes per operation (int64 fields).
+_OK, _PID, _SLOT_ID, _SLOT_FD, _SLOT_INO, _SLOT_LEN, _RES_ID, _RES_FD, _RES_INO, _RES_LEN = range(10)
+_INFO_LEN = 10
+
+
+class SharedMemoryPost(NamedTuple):
+    """What `shared_memory_post` hands the all-reduce.
+
+    Attributes:
+        out: the array the result will be written to (shape and dtype of `send`): a block of
+            this rank's shared memory leased to the caller, valid for as long as it (or a
+            view of it) is referenced; a pooled private array where shared memory could not
+            be had (the operation then falls back to ``MPI_Iallreduce``).
+        post: the `Op`'s ``post``: starts the operation and returns its `Stepper`.
+    """
+
+    out: np.ndarray
+    post: Callable[[], Stepper]
+
+
+def min_bytes() -> int:
+    """The message size from which the fast path is used when ``shared_memory`` is None.
+
+    ``MPITENSOR_SHM_MIN_BYTES`` overrides the default (256 KiB).
+
+    Raises:
+        ValueError: the variable is set but not a non-negative integer.
+    """
+    raw = os.environ.get("MPITENSOR_SHM_MIN_BYTES", "").strip()
+    if not raw:
+        return _DEFAULT_MIN_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"MPITENSOR_SHM_MIN_BYTES must be a non-negative integer, got {raw!r}")
+    return value
+
+
+def node_layout(ctx: DistributedContext, group: Group) -> tuple[tuple[int, ...], ...]:
+    """The group's ranks (ranks in the group) per node, nodes ordered by their first rank.
+
+    Ranks are on one node when they report the same host. ``MPITENSOR_SHM_NODE_SIZE=k``
+    splits each host's ranks into pseudo-nodes of k consecutive ranks, which runs the
+    hierarchical scheme on one machine (for tests).
+
+    Args:
+        ctx: the context (for every rank's host).
+        group: the group.
+
+    Returns:
+        One tuple of group ranks per node.
+    """
+    hosts = ctx.hosts
+    nodes: dict[str, list[int]] = {}
+    for group_rank, member in enumerate(group.members):
+        nodes.setdefault(hosts[member], []).append(group_rank)
+    raw = os.environ.get("MPITENSOR_SHM_NODE_SIZE", "").strip()
+    split = int(raw) if raw.isdigit() and int(raw) > 0 else 0
+    layout: list[tuple[int, ...]] = []
+    for ranks in nodes.values():
+        if split:
+            layout.extend(tuple(ranks[i : i + split]) for i in range(0, len(ranks), split))
+        else:
+            layout.append(tuple(ranks))
+    return tuple(layout)
+
+
+def _ufunc_for(mpi_op: Any) -> Any:
+    for candidate, ufunc in _UFUNCS:
+        if candidate == mpi_op:
+            return ufunc
+    return None
+
+
+def shared_memory_post(
+    ctx: DistributedContext, group: Group, send: np.ndarray, plan: ReducePlan
+) -> SharedMemoryPost | None:
+    """Plan the shared-memory all-reduce of `send` on `group`, or None where it does not apply.
+
+    Contract with the all-reduce: call it where the op is built, in the caller's thread (it
+    only decides and takes memory; it communicates nothing). When it returns None, do what
+    you would otherwise do. Otherwise use ``.out`` as the result array (instead of a pooled
+    one) and ``.post`` as the `Op`'s ``post``: the engine calls it in the group's data order
+    after the consistency check passed, and it returns a `Stepper` whose ``advance()``
+    never blocks (it only tests requests and does the local copies and reductions that are
+    due). When ``advance()`` has returned True, ``out`` holds the reduction of every rank's
+    `send` with ``plan.mpi_op``, the same bits on every rank; the division of ``MEAN``
+    (``plan.divide``) is left to the caller's ``finish``, as for ``MPI_Iallreduce``. `send`
+    must stay alive and unchanged until then (the Op's ``keep`` and protections do that).
+
+    The decision depends only on what every rank agrees on once the check has passed
+    (size, dtype, op, group, config, hosts), so all ranks take the same path.
+
+    It returns None when: ``config.shared_memory`` is False; the message is empty, or
+    smaller than `min_bytes()` and ``shared_memory`` is None (True forces any size); the
+    group has one rank, or no node holds two of its ranks; `send` is not a host array; the
+    op has no NumPy equivalent (user-defined ops: MAX/MIN of complex, bfloat16) or the dtype
+    is not a plain number or bool; the platform has no ``memfd``.
+
+    Args:
+        ctx: the context.
+        group: the group the all-reduce runs on.
+        send: the contiguous buffer to reduce, of dtype ``plan.work_dtype``.
+        plan: the reduce plan (MPI op and datatype).
+
+    Returns:
+        The result array and the post function, or None.
+    """
+    setting = ctx.config.shared_memory
+    if setting is False or group.size < 2 or not isinstance(send, np.ndarray):
+        return None
+    nbytes = send.nbytes
+    if nbytes == 0 or (setting is None and nbytes < min_bytes()):
+        return None
+    if not hasattr(os, "memfd_create") or send.dtype.kind not in "biufc" or not send.flags.c_contiguous:
+        return None
+    ufunc = _ufunc_for(plan.mpi_op)
+    if ufunc is None:
+        return None
+    layout = node_layout(ctx, group)
+    if all(len(node) == 1 for node in layout):
+        return None
+    state = group.extra.get(_EXTRA_KEY)
+    if state is None:
+        state = _GroupState(group)
+        group.extra[_EXTRA_KEY] = state
+    out, block = state.lease_result(send.shape, send.dtype, ctx)
+
+    def post() -> Stepper:
+        stepper = _AllReduce(state, layout, send, out, block, ufunc, plan)
+        state.enqueue(stepper)
+        stepper.advance()
+        return stepper
+
+    return SharedMemoryPost(out, post)
+
+
+# -- this rank's shared memory -----------------------------------------------------------
+
+
+class _Block:
+    """One ``memfd`` of this rank, mapped; peers map it by (pid, fd) and check the inode."""
+
+    __slots__ = ("fd", "id", "ino", "mem", "nbytes")
+
+    def __init__(self, block_id: int, nbytes: int) -> None:
+        fd = os.memfd_create(f"mpitensor-{block_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.mem = np.frombuffer(mmap.mmap(fd, nbytes), np.uint8)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.id = block_id
+        self.ino = os.fstat(fd).st_ino
+        self.nbytes = nbytes
+
+    def close(self) -> None:
+        """Close the descriptor; the memory stays mapped while arrays refer to it."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class _Lease:
+    """Owns a result block while the caller holds the result; gives it back when dropped."""
+
+    __slots__ = ("__array_interface__", "_arena", "_block")
+
+    def __init__(self, arena: _Arena, block: _Block, nbytes: int) -> None:
+        self._arena = arena
+        self._block = block
+        self.__array_interface__ = {
+            "data": (block.mem.ctypes.data, False),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+    def __del__(self) -> None:
+        self._arena.give_back(self._block)
+
+
+class _Arena:
+    """This rank's shared blocks of one group: handed out by size class, reused, capped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: OrderedDict[int, list[_Block]] = OrderedDict()
+        self._cached = 0
+        self._next_id = 1
+        self._closed = False
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        """The block size serving `nbytes`: a power of two of at least a page."""
+        return max(_PAGE, 1 << (max(nbytes, 1) - 1).bit_length())
+
+    def take(self, nbytes: int) -> _Block:
+        """A block of at least `nbytes` (reused when one is free).
+
+        Raises:
+            OSError: the memory could not be had.
+        """
+        size = self.size_class(nbytes)
+        with self._lock:
+            blocks = self._free.get(size)
+            if blocks:
+                self._cached -= size
+                return blocks.pop()
+            block_id = self._next_id
+            self._next_id += 1
+        return _Block(block_id, size)
+
+    def give_back(self, block: _Block) -> None:
+        """Return `block` for reuse (closing the least recently freed beyond the cap)."""
+        dropped = []
+        with self._lock:
+            if self._closed:
+                dropped.append(block)
+            else:
+                self._free.setdefault(block.nbytes, []).append(block)
+                self._free.move_to_end(block.nbytes)
+                self._cached += block.nbytes
+                while self._cached > _MAX_CACHED_BYTES:
+                    size, blocks = next(iter(self._free.items()))
+                    dropped.append(blocks.pop(0))
+                    self._cached -= size
+                    if not blocks:
+                        del self._free[size]
+        for old in dropped:
+            old.close()
+
+    def close(self) -> None:
+        """Close every free block; blocks still leased close when given back."""
+        with self._lock:
+            self._closed = True
+            blocks = [b for bs in self._free.values() for b in bs]
+            self._free.clear()
+            self._cached = 0
+        for block in blocks:
+            block.close()
+
+
+# -- a group's state -----------------------------------------------------------------------
+
+
+class _GroupState:
+    """What the fast path keeps per group (in ``group.extra``; freed with the context)."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.arena = _Arena()
+        self.comm: Any = None
+        self.dup_request: Any = None
+        self.active: deque[_AllReduce] = deque()
+        self.disabled = False
+        self.failed_local = False
+        self.peer_maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self.pid = os.getpid()
+
+    def lease_result(
+        self, shape: tuple[int, ...], dtype: np.dtype, ctx: DistributedContext
+    ) -> tuple[np.ndarray, _Block | None]:
+        """The result array of a new operation, in shared memory when possible."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not self.failed_local:
+            try:
+                block = self.arena.take(nbytes)
+            except OSError:
+                self.failed_local = True
+            else:
+                raw: np.ndarray = np.asarray(_Lease(self.arena, block, nbytes))
+                return raw.view(dtype).reshape(shape), block
+        return ctx._pool.empty(shape, dtype), None
+
+    def enqueue(self, op: _AllReduce) -> None:
+        """Queue `op` behind the group's operations in flight (started in data order)."""
+        if self.comm is None:
+            # A non-blocking duplicate, posted in the group's data order like a data op.
+            self.comm, self.dup_request = self.group.comm.Idup()
+        self.active.append(op)
+
+    def ready(self) -> bool:
+        """True once the duplicate communicator can be used."""
+        if self.dup_request is not None:
+            if not self.dup_request.Test():
+                return False
+            self.dup_request = None
+        return True
+
+    def peer_block(self, group_rank: int, info: np.ndarray, which: int) -> np.ndarray:
+        """The peer's block named in its descriptor `info`, mapped (cached by block id).
+
+        Args:
+            group_rank: the peer's rank in the group.
+            info: the peer's descriptor.
+            which: ``_SLOT_ID`` or ``_RES_ID``, the block to map.
+
+        Raises:
+            OSError: the block cannot be opened or is not the one named.
+        """
+        block_id, fd, ino, nbytes = (int(v) for v in info[which : which + 4])
+        key = (group_rank, block_id)
+        mem = self.peer_maps.get(key)
+        if mem is not None:
+            self.peer_maps.move_to_end(key)
+            return mem
+        path = f"/proc/{int(info[_PID])}/fd/{fd}"
+        handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if os.fstat(handle).st_ino != ino:
+                raise OSError(f"{path} is not the shared block rank {group_rank} named")
+            mem = np.frombuffer(mmap.mmap(handle, nbytes), np.uint8)
+        finally:
+            os.close(handle)
+        self.peer_maps[key] = mem
+        while len(self.peer_maps) > _MAX_PEER_MAPS:
+            self.peer_maps.popitem(last=False)
+        return mem
+
+    def free(self) -> None:
+        """Free the communicator and drop the blocks (called when the context closes)."""
+        comm, self.comm = self.comm, None
+        if comm is not None and comm != MPI.COMM_NULL:
+            comm.Free()
+        self.peer_maps.clear()
+        self.arena.close()
+
+
+# -- the operation --------------------------------------------------------------------------
+
+# Stages of `_AllReduce`, in order.
+(
+    _WAIT_TURN,
+    _GATHER,
+    _AGREE,
+    _LEADERS_SCATTER,
+    _LEADERS_GATHER,
+    _BARRIER_READ,
+    _BARRIER_DONE,
+    _FALLBACK,
+    _DONE,
+) = range(9)
+
+
+def _bounds(count: int, parts: int, index: int) -> tuple[int, int]:
+    return count * index // parts, count * (index + 1) // parts
+
+
+class _AllReduce:
+    """One shared-memory all-reduce, moved along by `advance()` (a `Stepper`)."""
+
+    def __init__(
+        self,
+        state: _GroupState,
+        layout: tuple[tuple[int, ...], ...],
+        send: np.ndarray,
+        out: np.ndarray,
+        block: _Block | None,
+        ufunc: Any,
+        plan: ReducePlan,
+    ) -> None:
+        self.state = state
+        self.send = send.reshape(-1)
+        self.out = out.reshape(-1)
+        self.block = block
+        self.ufunc = ufunc
+        self.plan = plan
+        self.stage = _WAIT_TURN
+        self.request: Any = None
+        self.requests: list[Any] = []
+        self.slot: _Block | None = None
+        self.infos: np.ndarray | None = None
+        self.flag = np.ones(1, np.int64)
+        self.agreed = np.zeros(1, np.int64)
+        self.scratch: list[np.ndarray] = []
+        rank = state.group.rank
+        self.rank = rank
+        self.layout = layout
+        self.node = next(node for node in layout if rank in node)
+        self.local_rank = self.node.index(rank)
+        self.leaders = tuple(node[0] for node in layout)
+        self.flat = len(layout) == 1
+
+    # The engine calls this under its lock until it returns True.
+    def advance(self) -> bool:
+        """Do what can be done now without waiting; True once the result is complete."""
+        while self.stage != _DONE:
+            if self.stage == _WAIT_TURN:
+                state = self.state
+                if state.active[0] is not self or not state.ready():
+                    return False
+                if state.disabled:
+                    self._fall_back()
+                else:
+                    self._start()
+                continue
+            if self.request is not None:
+                if not self.request.Test():
+                    return False
+                self.request = None
+            if self.requests:
+                if not MPI.Request.Testall(self.requests):
+                    return False
+                self.requests = []
+            self._step()
+        return True
+
+    def _step(self) -> None:
+        """Run the stage whose requests have completed, and post the next stage's."""
+        state = self.state
+        stage = self.stage
+        if stage == _GATHER:
+            self._reduce_locally()
+        elif stage == _AGREE:
+            if int(self.agreed[0]) != 1:
+                state.disabled = True
+                self._fall_back()
+            elif self.flat:
+                self._finish()
+            elif self.rank == self.node[0]:
+                self._leaders_scatter()
+            else:
+                self._barrier(_BARRIER_READ)
+        elif stage == _LEADERS_SCATTER:
+            self._leaders_gather()
+        elif stage == _LEADERS_GATHER:
+            self._barrier(_BARRIER_READ)
+        elif stage == _BARRIER_READ:
+            self._copy_from_leader()
+            self._barrier(_BARRIER_DONE)
+        else:  # _BARRIER_DONE, _FALLBACK
+            self._finish()
+
+    def _barrier(self, stage: int) -> None:
+        self.stage = stage
+        self.request = self.state.comm.Ibarrier()
+
+    def _start(self) -> None:
+        """Copy the input into this rank's slot and publish the blocks (stage _GATHER)."""
+        state = self.state
+        info = np.zeros(_INFO_LEN, np.int64)
+        info[_PID] = state.pid
+        ok = self.block is not None
+        if ok and len(self.node) > 1:
+            try:
+                self.slot = state.arena.take(self.send.nbytes)
+            except OSError:
+                state.failed_local = True
+                ok = False
+            else:
+                self._copy_in(self.slot)
+                info[_SLOT_ID : _SLOT_LEN + 1] = (self.slot.id, self.slot.fd, self.slot.ino, self.slot.nbytes)
+        if ok:
+            block = self.block
+            assert block is not None
+            info[_RES_ID : _RES_LEN + 1] = (block.id, block.fd, block.ino, block.nbytes)
+        info[_OK] = int(ok)
+        self.infos = np.empty((state.group.size, _INFO_LEN), np.int64)
+        self.stage = _GATHER
+        self.request = state.comm.Iallgather(info, self.infos)
+
+    def _copy_in(self, slot: _Block) -> None:
+        """Everything but the slice this rank reduces itself (peers read only theirs)."""
+        view = slot.mem[: self.send.nbytes].view(self.send.dtype)
+        low, high = _bounds(self.send.size, len(self.node), self.local_rank)
+        np.copyto(view[:low], self.send[:low])
+        np.copyto(view[high:], self.send[high:])
+
+    def _reduce_locally(self) -> None:
+        """Reduce this rank's slice over its node; post the agreement (stage _AGREE)."""
+        state = self.state
+        infos = self.infos
+        assert infos is not None
+        ok = bool(infos[:, _OK].all())
+        if not ok:
+            # Someone has no shared memory: every rank sees it, and all fall back.
+            state.disabled = True
+            self._fall_back()
+            return
+        try:
+            self._reduce_slice(infos)
+        except (OSError, ValueError):
+            self.flag[0] = 0
+        self.stage = _AGREE
+        self.request = state.comm.Iallreduce(self.flag, self.agreed, MPI.MIN)
+
+    def _array(self, mem: np.ndarray) -> np.ndarray:
+        return mem[: self.send.nbytes].view(self.send.dtype)
+
+    def _reduce_slice(self, infos: np.ndarray) -> None:
+        state = self.state
+        node = self.node
+        low, high = _bounds(self.send.size, len(node), self.local_rank)
+        sources = []
+        for group_rank in node:
+            if group_rank == self.rank:
+                sources.append(self.send[low:high])
+            else:
+                slot = state.peer_block(group_rank, infos[group_rank], _SLOT_ID)
+                sources.append(self._array(slot)[low:high])
+        if self.flat:
+            dests = [self.out[low:high]]
+            for group_rank in node:
+                if group_rank != self.rank:
+                    dests.append(self._array(state.peer_block(group_rank, infos[group_rank], _RES_ID))[low:high])
+        elif self.rank == node[0]:
+            dests = [self.out[low:high]]
+        else:
+            leader = node[0]
+            dests = [self._array(state.peer_block(leader, infos[leader], _RES_ID))[low:high]]
+        _reduce_pieces(self.ufunc, sources, dests)
+
+    def _leaders_scatter(self) -> None:
+        """Send each leader its segment of this node's sum; receive this leader's (stage _LEADERS_SCATTER)."""
+        comm = self.state.comm
+        leaders = self.leaders
+        me = leaders.index(self.rank)
+        count = self.out.size
+        low, high = _bounds(count, len(leaders), me)
+        dtype = self.out.dtype
+        self.scratch = [self.out[:0] if leader == self.rank else np.empty(high - low, dtype) for leader in leaders]
+        requests = []
+        for index, leader in enumerate(leaders):
+            if leader == self.rank:
+                continue
+            requests.append(comm.Irecv([self.scratch[index], self.plan.datatype], leader, _TAG_SCATTER))
+            seg_low, seg_high = _bounds(count, len(leaders), index)
+            requests.append(comm.Isend([self.out[seg_low:seg_high], self.plan.datatype], leader, _TAG_SCATTER))
+        self.stage = _LEADERS_SCATTER
+        self.requests = requests
+
+    def _leaders_gather(self) -> None:
+        """Reduce this leader's segment in leader order and share it (stage _LEADERS_GATHER)."""
+        comm = self.state.comm
+        leaders = self.leaders
+        me = leaders.index(self.rank)
+        count = self.out.size
+        low, high = _bounds(count, len(leaders), me)
+        mine = self.out[low:high]
+        parts = [mine if index == me else part for index, part in enumerate(self.scratch)]
+        # Leader order, whoever this leader is: the first part accumulates (it is this
+        # leader's own segment only for leader 0, else a received copy it may overwrite).
+        acc = parts[0]
+        for part in parts[1:]:
+            self.ufunc(acc, part, out=acc)
+        if acc is not mine:
+            np.copyto(mine, acc)
+        requests = []
+        for index, leader in enumerate(leaders):
+            if leader == self.rank:
+                continue
+            seg_low, seg_high = _bounds(count, len(leaders), index)
+            requests.append(comm.Irecv([self.out[seg_low:seg_high], self.plan.datatype], leader, _TAG_GATHER))
+            requests.append(comm.Isend([mine, self.plan.datatype], leader, _TAG_GATHER))
+        self.stage = _LEADERS_GATHER
+        self.requests = requests
+
+    def _copy_from_leader(self) -> None:
+        """The other ranks of a node copy the result from their leader's block."""
+        leader = self.node[0]
+        if self.rank != leader:
+            assert self.infos is not None
+            source = self._array(self.state.peer_block(leader, self.infos[leader], _RES_ID))
+            np.copyto(self.out, source)
+
+    def _fall_back(self) -> None:
+        """A plain ``MPI_Iallreduce`` on the group's duplicate (every rank does the same)."""
+        datatype = self.plan.datatype
+        self.stage = _FALLBACK
+        self.request = self.state.comm.Iallreduce([self.send, datatype], [self.out, datatype], self.plan.mpi_op)
+
+    def _finish(self) -> None:
+        self.stage = _DONE
+        if self.slot is not None:
+            self.state.arena.give_back(self.slot)
+            self.slot = None
+        self.scratch = []
+        self.infos = None
+        active = self.state.active
+        if active and active[0] is self:
+            active.popleft()
+
+
+def _reduce_pieces(ufunc: Any, sources: Sequence[np.ndarray], dests: Sequence[np.ndarray]) -> None:
+    """``dests[i][:] = sources[0] op sources[1] op ...`` (in that order), piece by piece.
+
+    The first destination receives the reduction; the others get a copy of each piece
+    while it is still in cache.
+    """
+    count = sources[0].size
+    if count == 0:
+        return
+    step = max(1, _PIECE_BYTES // sources[0].itemsize)
+    first = dests[0]
+    rest = dests[1:]
+    for low in range(0, count, step):
+        high = min(count, low + step)
+        target = first[low:high]
+        if len(sources) == 1:
+            np.copyto(target, sources[0][low:high])
+        else:
+            ufunc(sources[0][low:high], sources[1][low:high], out=target)
+            for source in sources[2:]:
+                ufunc(target, source[low:high], out=target)
+        for dest in rest:
+            np.copyto(dest[low:high], target)
