@@ -12,6 +12,7 @@ from ._config import ReduceOperation, parse_op
 from ._context import DevicesArg
 from ._dtypes import reduce_plan
 from ._engine import Op
+from ._shm import shared_memory_post
 from ._tensor import Tensor
 
 __all__ = ["all_reduce"]
@@ -61,7 +62,8 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         source.copied = True
     else:
         send = source.buffer
-    out = ctx._pool.empty(array.shape, plan.work_dtype)
+    fast = shared_memory_post(ctx, group, send, plan)  # the intra-node fast path, or None
+    out = ctx._pool.empty(array.shape, plan.work_dtype) if fast is None else fast.out
     result = Tensor(out, source.tensor.device if source.tensor is not None else ctx._cpu_device)
     comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
     size = group.size
@@ -79,7 +81,7 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         "all_reduce",
         group,
         array.nbytes,
-        post,
+        post if fast is None else fast.post,
         finish,
         record=record,
         keep=(send, out),
