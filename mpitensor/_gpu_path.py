@@ -1,0 +1,413 @@
+"""CuPy tensors in collectives: the two data paths, and the pieces both are built from.
+
+A rank's GPU buffers reach MPI one of two ways (`data_path`):
+
+- **cuda-aware**: MPI was detected or declared CUDA-aware (see `_cuda_aware`), so device
+  buffers go to MPI as they are, once the work that produced them has finished (MPI does
+  not know CUDA streams; without that wait it would read stale data).
+- **staged**: the input is copied to a pooled pinned host buffer on a copy stream, MPI
+  works on host memory, and the result is copied back into a fresh device array.
+
+Stream order. A collective captures the stream that is current on its device when it is
+called (the *caller's stream*) in a `GpuCall`. Its inputs must have been produced by work
+queued on that stream (or be complete). Its result is ordered on that stream: work queued
+there after `resolve()` returns sees the data, with no host synchronization. Copies run
+on a separate non-blocking *copy stream* per device, so they overlap the caller's kernels,
+and the engine may finish an op on any thread: every CuPy call here selects the device
+itself and names its stream explicitly, never relying on the thread's current stream.
+
+Reusable pieces (the all-reduce at the bottom is built from them; other collectives follow
+the same recipe):
+
+1. At the call: ``call = gpu_call(array)``; allocate results with ``call.empty`` (on the
+   caller's stream); ``ready = call.mark()`` after the last work the op depends on.
+2. cuda-aware (`device_buffers_ok`): in ``post()``, ``ready.synchronize()`` and hand the
+   CuPy arrays to MPI. In ``finish()``, device-side fix-ups go on the caller's stream
+   (``call.divide``).
+3. staged: ``staged = call.stage(send, after=ready)`` at the call; in ``post()``,
+   ``staged.wait()`` gives the host array for MPI; receive-only host buffers come from
+   `host_empty`. In ``finish()``, ``call.unstage(buffer, out)`` copies back (and
+   divides), makes the caller's stream wait for it, and returns the buffer to the pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._backend import require_cupy
+from ._check import Record
+from ._collective import CollectiveTensor, Input, check_record, start
+from ._config import ReduceOperation
+from ._cuda_aware import CudaAwareness, detect
+from ._device import Device
+from ._dtypes import reduce_plan
+from ._engine import Group, Op
+from ._mpi import MPI
+from ._pinned import PinnedBuffer, pinned_pool
+from ._tensor import Tensor
+
+if TYPE_CHECKING:
+    from ._context import DistributedContext
+
+__all__ = [
+    "GpuCall",
+    "Staged",
+    "copy_stream",
+    "cuda_awareness",
+    "cuda_result_device",
+    "data_path",
+    "data_path_name",
+    "device_buffers_ok",
+    "gpu_all_reduce",
+    "gpu_call",
+    "host_empty",
+]
+
+# -- which path -----------------------------------------------------------------------------
+
+_decisions: weakref.WeakKeyDictionary[Any, CudaAwareness] = weakref.WeakKeyDictionary()
+_decisions_lock = threading.Lock()
+
+
+def cuda_awareness(ctx: DistributedContext) -> CudaAwareness:
+    """Whether MPI takes this rank's device buffers, and why (decided once per context).
+
+    Args:
+        ctx: an open context (its ``config.cuda_aware`` is the declaration).
+
+    Returns:
+        The decision (see `_cuda_aware.detect`).
+
+    Raises:
+        ValueError: ``MPITENSOR_CUDA_AWARE`` is set to something other than 0, 1 or auto.
+    """
+    with _decisions_lock:
+        found = _decisions.get(ctx)
+        if found is None:
+            found = detect(ctx.config.cuda_aware)
+            _decisions[ctx] = found
+        return found
+
+
+def data_path(ctx: DistributedContext) -> str:
+    """How this rank's GPU tensors reach MPI: ``"cuda-aware"`` or ``"staged"``.
+
+    Args:
+        ctx: an open context.
+
+    Returns:
+        ``"cuda-aware"`` when device buffers go to MPI directly, else ``"staged"``.
+    """
+    return cuda_awareness(ctx).path
+
+
+def data_path_name(ctx: DistributedContext) -> str:
+    """The "path" column of ``python -m mpitensor info`` for a CUDA rank (`data_path`)."""
+    return data_path(ctx)
+
+
+def device_buffers_ok(ctx: DistributedContext, mpi_op: Any = None) -> bool:
+    """Whether an operation may hand device buffers to MPI.
+
+    Args:
+        ctx: an open context.
+        mpi_op: the reduction's MPI op, or None for data movement. A user-defined op
+            (complex MAX/MIN, bfloat16) is NumPy code that MPI calls on the buffers, so it
+            can only run on host memory.
+
+    Returns:
+        True on the cuda-aware path for movement and predefined ops; False means stage.
+    """
+    if not cuda_awareness(ctx).aware:
+        return False
+    return mpi_op is None or bool(mpi_op.is_predefined)
+
+
+# -- streams, staging and copying back -----------------------------------------------------
+
+_copy_streams: dict[int, Any] = {}
+_streams_lock = threading.Lock()
+
+
+def copy_stream(device: int) -> Any:
+    """The non-blocking stream staging copies of `device` run on (one per device).
+
+    Args:
+        device: the CUDA device number.
+
+    Returns:
+        A ``cupy.cuda.Stream`` created on `device`.
+    """
+    with _streams_lock:
+        stream = _copy_streams.get(device)
+        if stream is None:
+            cupy = require_cupy()
+            with cupy.cuda.Device(device):
+                # Non-blocking: no implicit ordering with the legacy default stream; every
+                # dependency is an explicit event.
+                stream = cupy.cuda.Stream(non_blocking=True)
+            _copy_streams[device] = stream
+        return stream
+
+
+def host_empty(shape: tuple[int, ...], dtype: Any) -> PinnedBuffer:
+    """A pooled pinned host buffer for MPI to write into (a staged receive).
+
+    Call ``buffer.release()`` (or `GpuCall.unstage`, which does) when done with it.
+
+    Args:
+        shape: the array's shape.
+        dtype: the array's dtype.
+
+    Returns:
+        The buffer; ``buffer.array`` is the NumPy array.
+    """
+    return pinned_pool().empty(shape, dtype)
+
+
+@dataclass
+class Staged:
+    """A device array's copy on its way to a pinned host buffer.
+
+    Attributes:
+        buffer: the pooled pinned buffer the copy lands in.
+        done: the event recorded on the copy stream after the copy.
+    """
+
+    buffer: PinnedBuffer
+    done: Any
+
+    def wait(self) -> np.ndarray:
+        """Block until the copy is complete; return the host array."""
+        self.done.synchronize()
+        return self.buffer.array
+
+
+class GpuCall:
+    """The GPU side of one collective call: the device, the caller's stream, the copy stream.
+
+    Build it with `gpu_call` in the calling thread, at the call. Its methods may run on any
+    thread later (the engine may finish ops from another thread).
+
+    Args:
+        device: the CUDA device number of the tensors.
+        stream: the caller's stream (current on `device` at the call).
+        copies: the stream staging copies run on.
+    """
+
+    __slots__ = ("copies", "cupy", "device", "stream")
+
+    def __init__(self, device: int, stream: Any, copies: Any) -> None:
+        self.cupy = require_cupy()
+        self.device = device
+        self.stream = stream
+        self.copies = copies
+
+    def scope(self) -> AbstractContextManager[Any]:
+        """A ``with`` block in which `device` is the current device."""
+        return self.cupy.cuda.Device(self.device)
+
+    def _event_on(self, stream: Any) -> Any:
+        event = self.cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        return event
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A new device array on the call's device, allocated in the caller's stream order.
+
+        Allocate results with it before `mark()`, so the copy stream's work is ordered
+        after whatever last used that memory.
+        """
+        with self.scope(), self.stream:
+            return self.cupy.empty(shape, dtype)
+
+    def mark(self) -> Any:
+        """An event on the caller's stream after everything queued on it so far.
+
+        ``mark().synchronize()`` is what makes a device buffer safe to hand to MPI.
+        """
+        with self.scope():
+            return self._event_on(self.stream)
+
+    def stage(self, array: Any, *, after: Any = None) -> Staged:
+        """Copy a C-contiguous device array to a pooled pinned host buffer, asynchronously.
+
+        Args:
+            array: the device array (on the call's device).
+            after: an event the copy waits for (`mark()`); None copies at once.
+
+        Returns:
+            The staged copy; ``wait()`` gives the host array once the copy is done.
+        """
+        if not array.flags.c_contiguous:
+            raise ValueError("stage() needs a C-contiguous device array")
+        buffer = pinned_pool().empty(tuple(array.shape), array.dtype)
+        runtime = self.cupy.cuda.runtime
+        with self.scope():
+            if after is not None:
+                self.copies.wait_event(after)
+            if array.nbytes:
+                runtime.memcpyAsync(
+                    buffer.ptr, array.data.ptr, array.nbytes, runtime.memcpyDeviceToHost, self.copies.ptr
+                )
+            done = self._event_on(self.copies)
+        buffer.after(done)
+        return Staged(buffer, done)
+
+    def unstage(
+        self,
+        host: PinnedBuffer | np.ndarray,
+        out: Any,
+        *,
+        after: Any = None,
+        divide_by: int | None = None,
+    ) -> Any:
+        """Copy a host result into a device array, ordered before the caller's later work.
+
+        The copy (and the division, if any) runs on the copy stream; the caller's stream
+        then waits for it on the GPU (the host does not block). A `PinnedBuffer` goes back
+        to the pool, reusable once the copy is done.
+
+        Args:
+            host: the host result (same number of bytes as `out`).
+            out: the device array to fill, from `empty()` before the last `mark()`.
+            after: an event the copy waits for first, when `out` was allocated after the
+                event the copy stream last waited for (e.g. a receive with no `stage`).
+            divide_by: divide the result by this on the device (``MEAN``).
+
+        Returns:
+            The event recorded after the copy (and division).
+
+        Raises:
+            ValueError: `host` and `out` differ in size.
+        """
+        buffer = host if isinstance(host, PinnedBuffer) else None
+        array = host.array if isinstance(host, PinnedBuffer) else host
+        if array.nbytes != out.nbytes:
+            raise ValueError(f"unstage: host result has {array.nbytes} bytes, device array {out.nbytes}")
+        runtime = self.cupy.cuda.runtime
+        with self.scope():
+            if after is not None:
+                self.copies.wait_event(after)
+            if out.nbytes:
+                runtime.memcpyAsync(
+                    out.data.ptr, array.ctypes.data, out.nbytes, runtime.memcpyHostToDevice, self.copies.ptr
+                )
+            if divide_by is not None:
+                with self.copies:
+                    self.cupy.true_divide(out, divide_by, out=out)
+            done = self._event_on(self.copies)
+            self.stream.wait_event(done)
+        if buffer is not None:
+            buffer.release(done)
+        return done
+
+    def divide(self, out: Any, divisor: int) -> None:
+        """Divide `out` in place by `divisor`, on the caller's stream (``MEAN``)."""
+        with self.scope(), self.stream:
+            self.cupy.true_divide(out, divisor, out=out)
+
+
+def gpu_call(array: Any) -> GpuCall:
+    """Capture the GPU side of a collective called now on `array`.
+
+    Args:
+        array: a CuPy array; its device is the call's device.
+
+    Returns:
+        The call, with the stream current on that device in this thread.
+    """
+    cupy = require_cupy()
+    device = int(array.device.id)
+    return GpuCall(device, cupy.cuda.get_current_stream(device), copy_stream(device))
+
+
+def cuda_result_device(ctx: DistributedContext, source: Input, device: int) -> Device:
+    """The device a GPU result goes to: the input tensor's, else this rank's GPU `device`."""
+    if source.tensor is not None:
+        return source.tensor.device
+    return Device("cuda", device, ctx.device.rank)
+
+
+# -- all_reduce -----------------------------------------------------------------------------
+
+
+def gpu_all_reduce(
+    ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, group: Group
+) -> CollectiveTensor:
+    """Start an all-reduce of a CuPy input on the data path of this rank (see `data_path`).
+
+    The result is a fresh `Tensor` on the input's device, ordered on the stream current
+    at the call. ``MEAN`` divides on the device.
+
+    Args:
+        ctx: the open context.
+        source: the checked input (`take_input`); ``source.buffer`` is C-contiguous.
+        reduce_op: the reduction.
+        group: the group to reduce over.
+
+    Returns:
+        The handle; `resolve()` gives the result.
+
+    Raises:
+        TypeError: the dtype cannot be reduced.
+        CollectiveMismatchError: ranks disagree (from the consistency check).
+    """
+    array = source.array
+    plan = reduce_plan(reduce_op, source.buffer.dtype)
+    call = gpu_call(source.buffer)
+    with call.scope(), call.stream:
+        if plan.work_dtype != source.buffer.dtype:
+            send = source.buffer.astype(plan.work_dtype)
+            source.copied = True
+        else:
+            send = source.buffer
+    out = call.empty(tuple(array.shape), plan.work_dtype)
+    ready = call.mark()
+    result = Tensor(out, cuda_result_device(ctx, source, call.device))
+    comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
+    divide_by = size if plan.divide else None
+
+    if device_buffers_ok(ctx, mpi_op):
+
+        def post() -> list[Any]:
+            ready.synchronize()
+            return [comm.Iallreduce([send, datatype], [out, datatype], mpi_op)]
+
+        def finish() -> Tensor:
+            if divide_by is not None:
+                call.divide(out, divide_by)
+            return result
+
+        keep: tuple[Any, ...] = (send, out)
+    else:
+        staged = call.stage(send, after=ready)
+
+        def post() -> list[Any]:
+            host = staged.wait()
+            return [comm.Iallreduce(MPI.IN_PLACE, [host, datatype], mpi_op)]
+
+        def finish() -> Tensor:
+            call.unstage(staged.buffer, out, divide_by=divide_by)
+            return result
+
+        keep = (send, out, staged.buffer)
+
+    record = check_record(ctx, group, Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members))
+    op = Op(
+        "all_reduce",
+        group,
+        array.nbytes,
+        post,
+        finish,
+        record=record,
+        keep=keep,
+        protections=source.protect(),
+    )
+    return start(ctx, op, result)
