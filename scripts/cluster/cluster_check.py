@@ -55,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=10, help="timed repetitions per bandwidth figure")
     parser.add_argument("--json", help="rank 0 writes the verdicts and figures here")
     parser.add_argument("--fail-on-rank", type=int, help="this rank raises after the first all-reduce")
+    parser.add_argument(
+        "--no-fail-fast", action="store_true",
+        help="open the context with fail_fast=False (a control: the fail-fast case must then hang or time out)",
+    )
     return parser.parse_args(argv)
 
 
@@ -463,7 +467,8 @@ def fail_on_rank(ctx: mt.DistributedContext, rank: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Open a context, run the checks (or the fail-fast case); return the exit status."""
     args = parse_args(argv)
-    with mt.DistributedContext.init() as ctx:
+    config = mt.DistributedConfig(fail_fast=False) if args.no_fail_fast else None
+    with mt.DistributedContext.init(config=config) as ctx:
         if args.fail_on_rank is not None:
             return fail_on_rank(ctx, args.fail_on_rank)
         return run_checks(ctx, args)

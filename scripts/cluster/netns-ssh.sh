@@ -12,7 +12,9 @@
 # HOST maps to the namespace "${HOST}${MPT_NETNS_SUFFIX}" (the test sets the suffix so
 # that concurrent runs do not share namespaces). As with ssh, the words of COMMAND are
 # joined by spaces and run by a shell. Options ssh would take (-x, -T, -o OPT, -p PORT,
-# -l USER, ...) are accepted and ignored.
+# -l USER, ...) are accepted and ignored. Like ssh, COMMAND starts with a fresh login
+# environment (PATH, HOME, USER only), so what the ranks need must travel through the MPI
+# launcher, as it must between real machines.
 set -euo pipefail
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -31,4 +33,6 @@ if [ ! -e "/run/netns/$netns" ]; then
   exit 255
 fi
 # shellcheck disable=SC2016 # $0/$1 expand in the inner shell, on purpose
-exec ip netns exec "$netns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+exec env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+  HOME="${HOME:-/root}" USER="${USER:-root}" \
+  ip netns exec "$netns" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
