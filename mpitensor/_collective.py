@@ -237,7 +237,8 @@ def run_barrier(ctx: DistributedContext, devices: DevicesArg) -> None:
     group = ctx._group(devices)
     record = check_record(ctx, group, Record("barrier", None, None, None, -1, group.members))
     op = Op("barrier", group, 0, post=lambda: [group.comm.Ibarrier()], record=record)
-    ctx._engine.submit(op)
+    # A barrier blocks anyway: its whole wait, check included, counts against the timeout.
+    ctx._engine.submit(op, grace=0)
     ctx._engine.wait(op, ctx.timeout)
 
 

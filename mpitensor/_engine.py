@@ -198,11 +198,11 @@ class Engine:
 
     # -- starting ----------------------------------------------------------------------
 
-    def submit(self, op: Op) -> None:
+    def submit(self, op: Op, grace: float | None = None) -> None:
         """Start `op`: post its check (or its data, when nothing must come first).
 
-        Waits up to the context's ``check_grace`` for the check, so that a mismatch is
-        usually raised here, by the call that caused it.
+        Waits up to `grace` seconds (the context's ``check_grace`` when None) for the
+        check, so that a mismatch is usually raised here, by the call that caused it.
 
         Raises:
             CollectiveMismatchError: the check completed within the grace and disagreed.
@@ -222,7 +222,7 @@ class Engine:
                 return
             self._pump(group)
         if op.state == CHECKING:
-            self._wait_check(op, self.ctx.config.check_grace)
+            self._wait_check(op, self.ctx.config.check_grace if grace is None else grace)
         if op.state == FAILED:
             assert op.error is not None
             raise op.error

@@ -89,16 +89,38 @@ def assert_matches(result: mt.Tensor | np.ndarray, expected: np.ndarray, op: mt.
 
 @dataclass
 class ChildResult:
-    """What a child job did: exit status, output, and wall time."""
+    """What a child job did: exit status, output, wall time, and each rank's reports.
+
+    Child scripts call ``report(...)`` (defined for them) to record a line; reports go to
+    one file per rank, so ranks' lines never interleave as launcher output can.
+    """
 
     returncode: int
     stdout: str
     stderr: str
     seconds: float
+    reports: dict[int, list[str]]
 
     @property
     def output(self) -> str:
-        return self.stdout + self.stderr
+        return self.stdout + self.stderr + "".join(f"\n[report {r}] {lines}" for r, lines in self.reports.items())
+
+    def reported(self, prefix: str) -> list[str]:
+        """Every rank's report lines that start with `prefix`, in rank order."""
+        return [line for rank in sorted(self.reports) for line in self.reports[rank] if line.startswith(prefix)]
+
+
+_PREAMBLE = """\
+import os as _os
+
+
+def report(*parts):
+    rank = _os.environ.get("OMPI_COMM_WORLD_RANK") or _os.environ.get("PMI_RANK") or "0"
+    with open(_os.path.join({directory!r}, "rank" + rank + ".txt"), "a") as _file:
+        _file.write(" ".join(str(part) for part in parts) + "\\n")
+
+
+"""
 
 
 def _clean_env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -120,9 +142,11 @@ def run_job(script: str, nprocs: int, timeout: float = 60, env: dict[str, str] |
 
     The job is killed after `timeout` seconds (the result then has returncode 124).
     """
-    directory = tmp_path if tmp_path is not None else pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
-    path = directory / f"job_{os.getpid()}_{time.monotonic_ns()}.py"
-    path.write_text(textwrap.dedent(script))
+    base = tmp_path if tmp_path is not None else pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
+    directory = base / f"job_{os.getpid()}_{time.monotonic_ns()}"
+    directory.mkdir(parents=True)
+    path = directory / "job.py"
+    path.write_text(_PREAMBLE.format(directory=str(directory)) + textwrap.dedent(script))
     venv = pathlib.Path(sys.executable).parent.parent
     command = [str(ROOT / "scripts" / "mpirun.sh"), "--venv", str(venv), "-n", str(nprocs), sys.executable, str(path)]
     start = time.monotonic()
@@ -135,7 +159,10 @@ def run_job(script: str, nprocs: int, timeout: float = 60, env: dict[str, str] |
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
         _kill_group(exc)
-    return ChildResult(code, out, err, time.monotonic() - start)
+    reports = {
+        int(file.stem[4:]): file.read_text().splitlines() for file in directory.glob("rank*.txt")
+    }
+    return ChildResult(code, out, err, time.monotonic() - start, reports)
 
 
 def _kill_group(exc: subprocess.TimeoutExpired) -> None:

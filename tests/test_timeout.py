@@ -1,0 +1,79 @@
+"""Timeouts: a rank that never joins gives a timeout error, then a broken context."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import run_job
+
+pytestmark = pytest.mark.subprocess
+
+
+def test_a_rank_that_never_joins(tmp_path):
+    result = run_job(
+        """
+        import time
+        import numpy as np
+        import mpitensor as mt
+        ctx = mt.DistributedContext.init()
+        if ctx.rank == 0:
+            time.sleep(12)  # never joins the collective the others start
+            ctx.abort(3)
+        pending = mt.all_reduce(np.ones(1000, np.float32))
+        start = time.monotonic()
+        try:
+            pending.resolve(timeout=2)
+        except mt.CollectiveTimeoutError as exc:
+            report(f"timeout after {time.monotonic() - start:.2f} s: {exc}")
+        try:
+            mt.all_reduce(np.ones(2))
+        except mt.ContextBrokenError as exc:
+            report("broken:", exc)
+        time.sleep(2)  # let the other waiting rank report too
+        ctx.abort(3)
+        """,
+        3,
+        timeout=60,
+        tmp_path=tmp_path,
+    )
+    lines = result.reported("timeout after")
+    assert len(lines) == 2, result.output
+    for line in lines:
+        seconds = float(line.split()[2])
+        assert 2.0 <= seconds <= 4.0, line
+        assert "all_reduce of 3.9 KiB on group [0, 1, 2] did not complete within 2 s" in line
+        assert "call ctx.abort() to end the job" in line
+    broken = result.reported("broken:")
+    assert len(broken) == 2 and all("this DistributedContext is broken" in line for line in broken)
+    assert result.returncode != 0
+    assert result.seconds < 30
+
+
+def test_the_config_and_environment_timeouts(tmp_path):
+    result = run_job(
+        """
+        import time
+        import mpitensor as mt
+        for config in (mt.DistributedConfig(timeout=1.0), mt.DistributedConfig()):
+            ctx = mt.DistributedContext.init(config=config)  # the second: MPITENSOR_TIMEOUT
+            if ctx.rank == 1:
+                continue  # joins no barrier
+            start = time.monotonic()
+            try:
+                mt.barrier()
+            except mt.CollectiveTimeoutError:
+                report(f"barrier timeout {time.monotonic() - start:.2f}")
+        if ctx.rank == 1:
+            time.sleep(20)  # rank 0 aborts the job first
+        ctx.abort(3)
+        """,
+        2,
+        env={"MPITENSOR_TIMEOUT": "1.5"},
+        timeout=60,
+        tmp_path=tmp_path,
+    )
+    lines = result.reported("barrier timeout")
+    assert len(lines) == 2, result.output
+    assert 1.0 <= float(lines[0].split()[-1]) <= 1.9
+    assert 1.5 <= float(lines[1].split()[-1]) <= 2.4
+    assert result.returncode != 0
