@@ -1,0 +1,59 @@
+"""GPU tests: they run only where a CUDA GPU is visible, and skip with the reason elsewhere.
+
+Nothing here fakes a GPU. CuPy is imported only through the `cp` fixture, after the check,
+so these modules collect on machines without CuPy. Run them on a GPU machine with
+``scripts/gpu-check.sh`` (under ``mpiexec -n 1`` and ``-n 2``, the ranks sharing the GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+
+import mpitensor as mt
+from mpitensor._device import probe_gpus
+
+GPUS, NO_GPU_REASON = probe_gpus()
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_gpu() -> None:
+    if GPUS == 0:
+        pytest.skip(f"no CUDA GPU visible: {NO_GPU_REASON}")
+
+
+@pytest.fixture
+def cp() -> ModuleType:
+    """The CuPy module."""
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def gpu_ctx() -> Iterator[mt.DistributedContext]:
+    """A context over every rank, each on its GPU; closed after the test."""
+    context = mt.DistributedContext.init(config=mt.DistributedConfig(device="cuda"))
+    yield context
+    if not context.closed and not context.broken:
+        context.close()
+
+
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin(unsigned long long nanoseconds) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < nanoseconds);
+}
+"""
+
+
+def spin(cupy: ModuleType, seconds: float, stream: object = None) -> None:
+    """Queue a kernel that keeps the GPU busy for `seconds` on `stream` (default: current)."""
+    kernel = cupy.RawKernel(SPIN_SOURCE, "spin")
+    with stream if stream is not None else cupy.cuda.get_current_stream():
+        kernel((1,), (1,), (cupy.uint64(int(seconds * 1e9)),))

@@ -1,0 +1,50 @@
+"""The host buffer pool: reuse without ever handing out memory still in use."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from mpitensor._pool import HostPool
+
+
+def test_a_dropped_block_is_reused():
+    pool = HostPool(min_bytes=1024)
+    first = pool.empty((1000,), np.dtype(np.float64))
+    address = first.ctypes.data
+    del first
+    gc.collect()
+    second = pool.empty((1000,), np.dtype(np.float64))
+    assert second.ctypes.data == address
+    assert pool.stats()["hits"] == 1
+
+
+def test_a_block_still_referenced_by_a_view_is_not_reused():
+    pool = HostPool(min_bytes=1024)
+    first = pool.empty((2000,), np.dtype(np.float32))
+    first[:] = 1.0
+    view = first[10:20]
+    del first
+    gc.collect()
+    second = pool.empty((2000,), np.dtype(np.float32))
+    second[:] = 2.0
+    assert (view == 1.0).all()
+    assert not np.shares_memory(view, second)
+
+
+def test_small_requests_bypass_the_pool_and_shapes_and_dtypes_are_right():
+    pool = HostPool(min_bytes=1 << 16)
+    small = pool.empty((3, 4), np.dtype(np.int16))
+    assert small.shape == (3, 4) and small.dtype == np.int16
+    assert pool.stats() == {"hits": 0, "misses": 0, "cached_bytes": 0}
+    big = pool.empty((256, 256), np.dtype(np.complex64))
+    assert big.shape == (256, 256) and big.dtype == np.complex64 and big.flags.c_contiguous
+
+
+def test_the_cache_is_capped():
+    pool = HostPool(min_bytes=1, max_cached_bytes=10_000)
+    arrays = [pool.empty((1000,), np.dtype(np.float64)) for _ in range(3)]
+    del arrays
+    gc.collect()
+    assert pool.cached_bytes <= 10_000
