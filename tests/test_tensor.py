@@ -29,7 +29,7 @@ def test_tensor_copies_and_from_numpy_shares():
     data[0] = 9.0
     assert copied.numpy()[0] == 0.0 and shared.numpy()[0] == 9.0
     assert shared.numpy() is data
-    with pytest.raises(TypeError, match="from_numpy expects a numpy.ndarray, got list"):
+    with pytest.raises(TypeError, match=r"from_numpy expects a numpy\.ndarray, got list"):
         mt.from_numpy([1, 2])
 
 
