@@ -36,6 +36,7 @@ from ._errors import (
     NoContextError,
     TensorInFlightError,
 )
+from ._gradient_sync import GradientSync
 from ._mpi import defer_finalize
 from ._p2p import recv, send
 from ._reduce import reduce
@@ -54,6 +55,7 @@ __all__ = [
     "DeviceError",
     "DistributedConfig",
     "DistributedContext",
+    "GradientSync",
     "MpiFinalizedError",
     "MpitensorError",
     "NoContextError",

@@ -24,7 +24,7 @@ from ._dtypes import ReducePlan, reduce_plan
 from ._engine import Group, Op
 from ._tensor import Tensor
 
-__all__ = ["Bucket", "fused_all_reduce", "plan_buckets", "structure_hash"]
+__all__ = ["Bucket", "fused_all_reduce", "plan_buckets", "start_buckets", "structure_hash"]
 
 
 @dataclass
@@ -54,15 +54,17 @@ def plan_buckets(sizes: Sequence[int], plans: Sequence[ReducePlan], bucket_bytes
         The buckets, in the order their first tensor appears.
     """
     buckets: list[Bucket] = []
-    open_by_plan: dict[int, Bucket] = {}
+    open_by_kind: dict[tuple[Any, ...], Bucket] = {}
     for index, (size, plan) in enumerate(zip(sizes, plans)):
-        # Plans are cached per (op, dtype), so one plan object means one MPI op and dtype.
-        bucket = open_by_plan.get(id(plan))
+        # Tensors share a bucket when MPI reduces them alike (MPI ops are unhashable
+        # handles, but the predefined ones are singletons).
+        key = (plan.work_dtype, id(plan.mpi_op), id(plan.datatype), plan.divide)
+        bucket = open_by_kind.get(key)
         nbytes = size * plan.work_dtype.itemsize
         if bucket is None or (bucket.members and bucket.nbytes + nbytes > bucket_bytes):
             bucket = Bucket(plan)
             buckets.append(bucket)
-            open_by_plan[id(plan)] = bucket
+            open_by_kind[key] = bucket
         bucket.members.append(index)
         bucket.offsets.append(bucket.elements)
         bucket.elements += size
@@ -153,6 +155,38 @@ def _start_fused(
         sends.append(send)
         recvs.append(out)
     result = _rebuild(structure, keys, outputs)
+    summary = (len(inputs), sum(sizes))
+    record = Record(kind, reduce_op, None, summary, -1, group.members,
+                    extra=structure_hash(keys, [item.array for item in inputs]))
+    nbytes = sum(item.array.nbytes for item in inputs)
+    return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes)
+
+
+def start_buckets(
+    ctx: DistributedContext,
+    group: Group,
+    buckets: Sequence[Bucket],
+    sends: Sequence[np.ndarray],
+    recvs: Sequence[np.ndarray],
+    result: Any,
+    record: Record,
+    nbytes: int,
+) -> CollectiveTensor:
+    """All-reduce packed buckets as one op: one ``MPI_Iallreduce`` per bucket.
+
+    Args:
+        ctx: the context.
+        group: the group.
+        buckets: the buckets (their plans give op and dtype).
+        sends: each bucket's packed input.
+        recvs: each bucket's result buffer (the result's tensors are views of them).
+        result: what `resolve()` returns.
+        record: what this rank says about the call, for the check.
+        nbytes: the bytes of all the tensors, for messages.
+
+    Returns:
+        The handle resolving to `result`.
+    """
     comm, size = group.comm, group.size
 
     def post() -> list[Any]:
@@ -167,13 +201,6 @@ def _start_fused(
                 np.true_divide(out, size, out=out)
         return result
 
-    shape_summary = (len(inputs), sum(sizes))
-    record = check_record(
-        ctx,
-        group,
-        Record(kind, reduce_op, None, shape_summary, -1, group.members,
-               extra=structure_hash(keys, [item.array for item in inputs])),
-    )
-    nbytes = sum(item.array.nbytes for item in inputs)
-    fused = Op(kind, group, nbytes, post, finish, record=record, keep=(*sends, *recvs))
-    return start(ctx, fused, result)
+    op = Op(record.kind, group, nbytes, post, finish, record=check_record(ctx, group, record),
+            keep=(*sends, *recvs))
+    return start(ctx, op, result)
