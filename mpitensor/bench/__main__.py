@@ -1,0 +1,142 @@
+"""``python -m mpitensor.bench [all|sweep|overlap|fused|report] ...`` (under mpiexec but report).
+
+Examples::
+
+    mpiexec -n 2 python -m mpitensor.bench                      # everything, full sweep
+    mpiexec -n 2 python -m mpitensor.bench sweep --sizes 8,1M,16M --reps 3
+    mpiexec -n 4 python -m mpitensor.bench all --quick          # a short sanity run
+    python -m mpitensor.bench report bench-results/*.json       # the targets table
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mpitensor.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", default="all", choices=["all", "sweep", "overlap", "fused", "report"],
+                        help="what to run (default: all three benchmarks)")
+    parser.add_argument("files", nargs="*", help="report: the JSON files of the runs")
+    parser.add_argument("--sizes", default="8:64M", help="sweep sizes: 'LOW:HIGH' powers of two or a list (8:64M)")
+    parser.add_argument("--overlap-sizes", default="64K:64M", help="overlap sizes (64K:64M)")
+    parser.add_argument("--reps", type=int, default=5, help="rounds per figure; figures are medians (5)")
+    parser.add_argument("--target", type=float, default=0.05, help="seconds per timed batch (0.05)")
+    parser.add_argument("--variants", default=None, help="sweep variants, comma-separated (default: all)")
+    parser.add_argument("--count", type=int, default=256, help="fused: how many tensors (256)")
+    parser.add_argument("--tensor-bytes", default="4K", help="fused: bytes per tensor (4K)")
+    parser.add_argument("--out", default="bench-results", help="output folder (bench-results)")
+    parser.add_argument("--name", default=None, help="file name stem (default: <mpi>-np<ranks>)")
+    parser.add_argument("--no-gloo", action="store_true", help="skip the torch gloo baseline")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    parser.add_argument("--quick", action="store_true",
+                        help="a short sanity run: a few sizes, 3 rounds, short batches")
+    parser.add_argument("-o", "--output", default=None, help="report: write the table here too")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks (every rank) or the report; return the exit status."""
+    args = _parser().parse_args(argv)
+    if args.command == "report":
+        return _report(args)
+    if args.files:
+        _parser().error("file arguments belong to 'report'")
+    from .. import _mpi, defer_finalize
+    from ._common import format_size, machine, parse_size, parse_sizes, write_json, write_text
+    from .fused import format_fused, run_fused
+    from .overlap import format_overlap, plot_overlap, run_overlap
+    from .report import format_targets
+    from .sweep import VARIANTS, format_size_list, format_sweep, plot_sweep, run_sweep
+
+    if args.quick:
+        args.sizes = "8,64K,1M,16M" if args.sizes == "8:64M" else args.sizes
+        args.overlap_sizes = "1M,16M" if args.overlap_sizes == "64K:64M" else args.overlap_sizes
+        args.reps = min(args.reps, 3)
+        args.target = min(args.target, 0.01)
+    sizes = parse_sizes(args.sizes)
+    overlap_sizes = parse_sizes(args.overlap_sizes)
+    variants = VARIANTS if args.variants is None else tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if args.no_gloo:
+        variants = tuple(v for v in variants if v != "gloo")
+
+    defer_finalize()  # each benchmark opens and closes contexts
+    _mpi.ensure_initialized()
+    comm = _mpi.MPI.COMM_WORLD
+    rank, ranks = comm.Get_rank(), comm.Get_size()
+    vendor = _mpi.vendor()[0].lower().replace(" ", "")
+    name = args.name or f"{vendor}-np{ranks}"
+
+    def say(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    info = machine(comm)
+    run: dict[str, Any] = {"name": name, "machine": info, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    say(f"mpitensor.bench: {info['mpi']}, {ranks} ranks on {', '.join(info['hosts'])} "
+        f"({info['cores']} cores, {info['cpu']}); results in {args.out}/{name}*")
+    written: list[str] = []
+    if args.command in ("all", "sweep"):
+        say(f"sweep: {format_size_list(sizes)}, variants {', '.join(variants)}")
+        result = run_sweep(sizes, reps=args.reps, target=args.target, variants=variants, progress=say)
+        run["sweep"] = result
+        if rank == 0:
+            print(format_sweep(result, markdown=False), flush=True)
+            path = os.path.join(args.out, f"{name}-sweep")
+            write_text(path + ".md", format_sweep(result))
+            written.append(path + ".md")
+            if not args.no_plot and plot_sweep(result, path + ".png"):
+                written.append(path + ".png")
+    if args.command in ("all", "overlap"):
+        say(f"overlap: {format_size_list(overlap_sizes)}")
+        result = run_overlap(overlap_sizes, reps=args.reps, target=args.target, progress=say)
+        run["overlap"] = result
+        if rank == 0:
+            print(format_overlap(result, markdown=False), flush=True)
+            path = os.path.join(args.out, f"{name}-overlap")
+            write_text(path + ".md", format_overlap(result))
+            written.append(path + ".md")
+            if not args.no_plot and plot_overlap(result, path + ".png"):
+                written.append(path + ".png")
+    if args.command in ("all", "fused"):
+        tensor_bytes = parse_size(args.tensor_bytes)
+        say(f"fused: {args.count} tensors of {format_size(tensor_bytes)}")
+        result = run_fused(args.count, tensor_bytes, reps=args.reps, target=args.target, progress=say)
+        run["fused"] = result
+        if rank == 0:
+            print(format_fused(result, markdown=False), flush=True)
+            path = os.path.join(args.out, f"{name}-fused.md")
+            write_text(path, format_fused(result))
+            written.append(path)
+    if rank == 0:
+        run["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        path = os.path.join(args.out, f"{name}.json")
+        write_json(path, run)
+        written.append(path)
+        print(format_targets([run]), flush=True)
+        print("wrote " + ", ".join(written), flush=True)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ._common import write_text
+    from .report import format_targets, load
+
+    if not args.files:
+        _parser().error("report needs the JSON files of the runs")
+    table = format_targets(load(args.files))
+    print(table, end="")
+    if args.output:
+        write_text(args.output, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Overlap of an all-reduce with compute, as ``osu_iallreduce`` measures it.
+
+For each size and variant: the pure communication time (start, then wait), a compute
+kernel calibrated to last that long, and the overall time of start + compute + wait. Then
+``overlap = max(0, 100 - 100 x (overall - compute) / pure_comm)``: 100% when the
+communication hides entirely behind the compute, 0% when none of it does.
+
+The compute is NumPy work on a cache-resident array (``numpy.sin`` in a loop), which
+releases the GIL as real array code does, so a progress thread can run beside it.
+
+Variants: raw mpi4py ``Iallreduce`` (nobody drives MPI during the compute), and mpitensor
+with its progress thread off and on (``DistributedConfig.progress``), each with the default
+data path and with the shared-memory path off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import DistributedConfig, DistributedContext, all_reduce, from_numpy
+from .._mpi import MPI
+from ._common import Timing, format_size, markdown_table, median, text_table, us
+
+__all__ = ["LABELS", "VARIANTS", "format_overlap", "plot_overlap", "run_overlap"]
+
+VARIANTS = ("raw", "mt_progress_off", "mt_progress_on", "mt_plain_progress_off", "mt_plain_progress_on")
+LABELS = {
+    "raw": "raw mpi4py Iallreduce (no progress)",
+    "mt_progress_off": "mpitensor, progress thread off",
+    "mt_progress_on": "mpitensor, progress thread on",
+    "mt_plain_progress_off": "mpitensor, shared memory off, progress off",
+    "mt_plain_progress_on": "mpitensor, shared memory off, progress on",
+}
+_CONFIGS = {
+    "mt_progress_off": DistributedConfig(check=False, progress=False),
+    "mt_progress_on": DistributedConfig(check=False, progress=True),
+    "mt_plain_progress_off": DistributedConfig(check=False, progress=False, shared_memory=False),
+    "mt_plain_progress_on": DistributedConfig(check=False, progress=True, shared_memory=False),
+}
+_KERNEL_ELEMENTS = 8192  # 64 KiB of float64: stays in cache
+
+
+class _Compute:
+    """A compute kernel of `units` calls to ``numpy.sin`` on a small array."""
+
+    def __init__(self) -> None:
+        self.a = np.linspace(0.0, 1.0, _KERNEL_ELEMENTS)
+        self.b = np.empty_like(self.a)
+
+    def run(self, units: int) -> None:
+        a, b, sin = self.a, self.b, np.sin
+        for _ in range(units):
+            sin(a, out=b)
+
+
+def run_overlap(
+    sizes: Sequence[int],
+    *,
+    reps: int = 5,
+    target: float = 0.05,
+    variants: Sequence[str] = VARIANTS,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Measure pure communication, compute, overall time and overlap per size and variant.
+
+    Call it on every rank (MPI must be initialized).
+
+    Args:
+        sizes: message sizes in bytes (float32 elements).
+        reps: rounds; each time is the median over them.
+        target: seconds each timed batch should last.
+        variants: which of `VARIANTS` to run.
+        progress: called on rank 0 with a line after each round.
+
+    Returns:
+        ``{"kind": "overlap", "ranks", "sizes", "reps", "unit_s", "variants": {name:
+        {"label", "pure_s", "compute_s", "overall_s", "overlap_pct", "progress_thread"}}}``.
+    """
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; expected some of {list(VARIANTS)}")
+    comm = MPI.COMM_WORLD.Dup()
+    timing = Timing(comm, target, reps)
+    kernel = _Compute()
+    unit = median([timing.batch("unit", lambda: kernel.run(1), warmup=20) for _ in range(reps)])
+    sends = [np.ones(max(1, n // 4), np.float32) for n in sizes]
+    recvs = [np.empty_like(s) for s in sends]
+    tensors = [from_numpy(s.copy()) for s in sends]
+    pure: dict[str, list[list[float]]] = {v: [[] for _ in sizes] for v in variants}
+    overall: dict[str, list[list[float]]] = {v: [[] for _ in sizes] for v in variants}
+    compute: dict[str, list[list[float]]] = {v: [[] for _ in sizes] for v in variants}
+    units: dict[tuple[str, int], int] = {}
+    threads: dict[str, bool | None] = {}
+    try:
+        for rep in range(reps):
+            for variant in variants:
+                config = _CONFIGS.get(variant)
+                ctx = None if config is None else DistributedContext.init(config=config)
+                try:
+                    if ctx is not None:
+                        threads[variant] = _progress_thread_running(ctx)
+                    for index in range(len(sizes)):
+                        if ctx is None:
+                            send, recv = sends[index], recvs[index]
+
+                            def start(send: np.ndarray = send, recv: np.ndarray = recv) -> Any:
+                                return comm.Iallreduce(send, recv, MPI.SUM)
+
+                            def wait(request: Any) -> Any:
+                                return request.Wait()
+                        else:
+                            tensor = tensors[index]
+
+                            def start(tensor: Any = tensor) -> Any:
+                                return all_reduce(tensor)
+
+                            def wait(handle: Any) -> Any:
+                                return handle.resolve()
+
+                        key = (variant, index)
+                        t_pure = timing.batch(("pure", key), lambda start=start, wait=wait: wait(start()))
+                        pure[variant][index].append(t_pure)
+                        if key not in units:
+                            # Calibrated once, to the first round's communication time.
+                            units[key] = max(1, round(t_pure / unit))
+                        count = units[key]
+                        compute[variant][index].append(timing.batch(("compute", key), lambda c=count: kernel.run(c)))
+
+                        def both(start: Any = start, wait: Any = wait, c: int = count) -> None:
+                            pending = start()
+                            kernel.run(c)
+                            wait(pending)
+
+                        overall[variant][index].append(timing.batch(("overall", key), both))
+                finally:
+                    if ctx is not None:
+                        ctx.close()
+            if progress is not None and comm.Get_rank() == 0:
+                progress(f"overlap: round {rep + 1}/{reps} done")
+    finally:
+        comm.Free()
+    result_variants = {}
+    for variant in variants:
+        t_pure = [median(x) for x in pure[variant]]
+        t_compute = [median(x) for x in compute[variant]]
+        t_overall = [median(x) for x in overall[variant]]
+        result_variants[variant] = {
+            "label": LABELS[variant],
+            "pure_s": t_pure,
+            "compute_s": t_compute,
+            "overall_s": t_overall,
+            "overlap_pct": [_overlap(p, c, o) for p, c, o in zip(t_pure, t_compute, t_overall)],
+            "progress_thread": threads.get(variant),
+            "config": _config_text(variant),
+        }
+    return {
+        "kind": "overlap",
+        "ranks": comm_size(),
+        "sizes": list(sizes),
+        "reps": reps,
+        "unit_s": unit,
+        "variants": result_variants,
+    }
+
+
+def comm_size() -> int:
+    """The world's size."""
+    return MPI.COMM_WORLD.Get_size()
+
+
+def _overlap(pure: float, compute: float, overall: float) -> float:
+    if not pure > 0:
+        return float("nan")
+    return max(0.0, 100.0 - 100.0 * (overall - compute) / pure)
+
+
+def _config_text(variant: str) -> str:
+    config = _CONFIGS.get(variant)
+    if config is None:
+        return "mpi4py"
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return ", ".join(f"{k}={fields[k]}" for k in ("check", "progress", "shared_memory") if k in fields)
+
+
+def _progress_thread_running(ctx: DistributedContext) -> bool | None:
+    """Whether the context says its progress thread is on (None when it cannot tell)."""
+    engine = getattr(ctx, "_engine", None)
+    for name in ("progress_enabled", "progress_thread_enabled", "_progress_enabled"):
+        value = getattr(engine, name, None)
+        if isinstance(value, bool):
+            return value
+    return None
+
+
+def format_overlap(result: dict[str, Any], markdown: bool = True) -> str:
+    """The overlap table: per size, each variant's pure communication time and overlap."""
+    variants = result["variants"]
+    header = ["size"]
+    for name in variants:
+        header += [f"{name} comm us", f"{name} overlap %"]
+    rows = []
+    for i, nbytes in enumerate(result["sizes"]):
+        row = [format_size(nbytes)]
+        for entry in variants.values():
+            pct = entry["overlap_pct"][i]
+            row += [us(entry["pure_s"][i]), "-" if pct is None or pct != pct else f"{pct:.0f}"]
+        rows.append(row)
+    table = markdown_table(header, rows) if markdown else text_table(header, rows)
+    lines = [
+        f"Overlap of a float32 sum all-reduce with NumPy compute, {result['ranks']} ranks "
+        f"(osu_iallreduce: compute calibrated to the pure communication time; overlap = "
+        "max(0, 100 - 100 x (overall - compute) / pure_comm)); median of "
+        f"{result['reps']} rounds.",
+    ]
+    for name, entry in variants.items():
+        lines.append(f"- {name}: {entry['label']} ({entry['config']}; progress thread reported: "
+                     f"{'unknown' if entry['progress_thread'] is None else entry['progress_thread']})")
+    return "\n".join(lines) + "\n\n" + table + "\n"
+
+
+def plot_overlap(result: dict[str, Any], path: str) -> bool:
+    """Overlap % against size, one line per variant, as a PNG (False without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axis = plt.subplots(figsize=(7, 4.5))
+    sizes = result["sizes"]
+    for entry in result["variants"].values():
+        axis.plot(sizes, [p if p is not None else float("nan") for p in entry["overlap_pct"]], marker=".",
+                  label=entry["label"])
+    axis.set(xscale="log", xlabel="message size (bytes)", ylabel="overlap (%)", ylim=(-2, 102),
+             title=f"all-reduce / compute overlap, {result['ranks']} ranks")
+    axis.set_xscale("log", base=2)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

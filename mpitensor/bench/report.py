@@ -1,0 +1,166 @@
+"""The targets: each one's measured ratio from a run's JSON, met or not.
+
+``python -m mpitensor.bench report bench-results/*.json`` prints them as a Markdown table
+(no MPI needed); BENCHMARKS.md shows that table.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ._common import busbw_factor, format_size, markdown_table
+
+__all__ = ["Target", "evaluate", "format_targets", "load"]
+
+_KIB = 1 << 10
+_MIB = 1 << 20
+
+
+class Target:
+    """One target: a measured value, the bound it must meet, and what was measured.
+
+    Args:
+        name: what the target is.
+        value: the measured value (None when the run has no data for it).
+        bound: the bound.
+        at_least: True when the value must be >= the bound, False for <=.
+        detail: how the value was obtained (sizes, baselines beside it).
+    """
+
+    def __init__(self, name: str, value: float | None, bound: float, at_least: bool, detail: str) -> None:
+        self.name = name
+        self.value = value
+        self.bound = bound
+        self.at_least = at_least
+        self.detail = detail
+
+    @property
+    def met(self) -> bool | None:
+        """True or False, or None without a value."""
+        if self.value is None:
+            return None
+        return self.value >= self.bound if self.at_least else self.value <= self.bound
+
+
+def load(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """The runs stored in the JSON files `paths` (as ``python -m mpitensor.bench`` writes them)."""
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            runs.append(json.load(handle))
+    return runs
+
+
+def _median(result: dict[str, Any], variant: str, nbytes: int) -> float | None:
+    entry = result["variants"].get(variant)
+    if entry is None or nbytes not in result["sizes"]:
+        return None
+    return entry["median_s"][result["sizes"].index(nbytes)]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or not b else a / b
+
+
+def evaluate(run: dict[str, Any]) -> list[Target]:
+    """Every target that `run` has data for.
+
+    Args:
+        run: one run's JSON (with ``sweep``, ``overlap`` and ``fused`` entries).
+    """
+    targets: list[Target] = []
+    sweep = run.get("sweep")
+    if sweep is not None:
+        sizes = sweep["sizes"]
+        large = [n for n in sizes if n >= 64 * _KIB]
+        if large:
+            worst = max(large, key=lambda n: _ratio(_median(sweep, "mt", n), _median(sweep, "raw", n)) or 0)
+            plain = [_ratio(_median(sweep, "mt_plain", n), _median(sweep, "raw", n)) for n in large]
+            plain_known = [p for p in plain if p is not None]
+            targets.append(Target(
+                "overhead >= 64 KiB: mt / raw (worst size)",
+                _ratio(_median(sweep, "mt", worst), _median(sweep, "raw", worst)), 1.05, False,
+                f"worst at {format_size(worst)}; same MPI algorithm (shared memory off): worst "
+                + (f"{max(plain_known):.2f}x" if plain_known else "-"),
+            ))
+        if 8 in sizes:
+            checked = _ratio(_median(sweep, "mt_checked", 8), _median(sweep, "raw", 8))
+            targets.append(Target(
+                "overhead at 8 B, check off: mt / raw", _ratio(_median(sweep, "mt", 8), _median(sweep, "raw", 8)),
+                2.0, False, "check on: " + (f"{checked:.2f}x" if checked is not None else "-"),
+            ))
+        if _MIB in sizes and "gloo" in sweep["variants"]:
+            targets.append(Target(
+                "vs gloo at 1 MiB: gloo / mt", _ratio(_median(sweep, "gloo", _MIB), _median(sweep, "mt", _MIB)),
+                10.0, True, "torch.distributed gloo all_reduce",
+            ))
+        small = [n for n in sizes if n <= 64 * _KIB]
+        if small and "pickle" in sweep["variants"]:
+            worst = min(small, key=lambda n: _ratio(_median(sweep, "pickle", n), _median(sweep, "mt", n)) or 0)
+            targets.append(Target(
+                "vs pickle allreduce <= 64 KiB: pickle / mt (worst size)",
+                _ratio(_median(sweep, "pickle", worst), _median(sweep, "mt", worst)), 5.0, True,
+                f"worst at {format_size(worst)}",
+            ))
+        factor = busbw_factor(sweep["ranks"])
+        for nbytes in (16 * _MIB, 64 * _MIB):
+            if nbytes not in sizes:
+                continue
+            raw, mt, copy = (_median(sweep, v, nbytes) for v in ("raw", "mt", "memcpy"))
+            bus = [None if t is None else nbytes * factor / t / 1e9 for t in (raw, mt)]
+            floor = "-" if copy is None else f"{nbytes / copy / 1e9:.2f} GB/s copy rate"
+            targets.append(Target(
+                f"busbw at {format_size(nbytes)}: mt / raw", _ratio(raw, mt), 1.3, True,
+                f"mt {bus[1] or 0:.2f} GB/s, raw {bus[0] or 0:.2f} GB/s; memcpy floor {floor}",
+            ))
+    overlap = run.get("overlap")
+    if overlap is not None:
+        sizes = [n for n in overlap["sizes"] if n >= _MIB]
+        variants = overlap["variants"]
+        on = variants.get("mt_progress_on")
+        if sizes and on is not None:
+            idx = [overlap["sizes"].index(n) for n in sizes]
+            values = [on["overlap_pct"][i] for i in idx]
+            known = [v for v in values if v is not None]
+            beside = []
+            for name in ("raw", "mt_progress_off", "mt_plain_progress_on"):
+                entry = variants.get(name)
+                if entry is not None:
+                    others = [entry["overlap_pct"][i] for i in idx if entry["overlap_pct"][i] is not None]
+                    if others:
+                        beside.append(f"{name} min {min(others):.0f}%")
+            worst = sizes[values.index(min(known))] if known else None
+            targets.append(Target(
+                "overlap >= 1 MiB, progress on (worst size, %)", min(known) if known else None, 80.0, True,
+                (f"worst at {format_size(worst)}; " if worst else "") + "; ".join(beside),
+            ))
+    fused = run.get("fused")
+    if fused is not None:
+        variants = fused["variants"]
+        if "fused" in variants and "separate" in variants:
+            checked = ""
+            if "fused_checked" in variants and "separate_checked" in variants:
+                checked = (f"; check on: "
+                           f"{variants['separate_checked']['median_s'] / variants['fused_checked']['median_s']:.1f}x")
+            targets.append(Target(
+                f"fusion, {fused['count']} x {format_size(fused['tensor_bytes'])}: separate / fused",
+                variants["separate"]["median_s"] / variants["fused"]["median_s"], 5.0, True, "check off" + checked,
+            ))
+    return targets
+
+
+def format_targets(runs: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table of every run's targets."""
+    rows = []
+    for run in runs:
+        machine = run.get("machine", {})
+        where = f"{machine.get('mpi', '?')}, {machine.get('ranks', '?')} ranks"
+        for target in evaluate(run):
+            value = "-" if target.value is None else (
+                f"{target.value:.0f}%" if "%" in target.name else f"{target.value:.2f}x")
+            bound = f"{'>=' if target.at_least else '<='} {target.bound:g}" + ("%" if "%" in target.name else "x")
+            met = {True: "met", False: "**not met**", None: "no data"}[target.met]
+            rows.append([target.name, where, value, bound, met, target.detail])
+    return markdown_table(["target", "run", "measured", "bound", "", "beside it"], rows) + "\n"
