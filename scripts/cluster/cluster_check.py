@@ -155,39 +155,49 @@ def check_device(ctx: mt.DistributedContext, args: argparse.Namespace) -> Verdic
 
 
 def check_slurm(ctx: mt.DistributedContext, args: argparse.Namespace) -> Verdict:
-    """Inside Slurm: one job, the task count, and (under srun) Slurm's ids equal MPI's."""
+    """Inside Slurm: one job on as many nodes as hosts; under srun Slurm's ids equal MPI's.
+
+    With ``--gpus-per-task``, Slurm's GPU binding is checked too. Under srun each task sees
+    exactly its own GPU(s); under mpiexec every rank sees the node's GPUs of the job. Either
+    way, the GPU mpitensor drives (the visible one at ``local_rank % visible``) must differ
+    between the ranks of a host.
+    """
     env = os.environ
     if "SLURM_JOB_ID" not in env:
         return False, "SLURM_JOB_ID is not set"
-    jobs = set(ctx.comm.allgather(env["SLURM_JOB_ID"]))
     problems = []
+    jobs = set(ctx.comm.allgather(env["SLURM_JOB_ID"]))
     if len(jobs) != 1:
         problems.append(f"ranks see different Slurm jobs {sorted(jobs)}")
-    ntasks = env.get("SLURM_NTASKS")
-    if ntasks != str(ctx.size):
-        problems.append(f"SLURM_NTASKS={ntasks} but {ctx.size} ranks")
+    hosts = hosts_in_order(ctx.hosts)
+    if env.get("SLURM_JOB_NUM_NODES") != str(len(hosts)):
+        problems.append(f"SLURM_JOB_NUM_NODES={env.get('SLURM_JOB_NUM_NODES')} but ranks on {len(hosts)} host(s)")
     if args.launcher == "srun":
-        ids = {"SLURM_PROCID": ctx.rank, "SLURM_LOCALID": ctx.local_rank}
+        # Under mpiexec these describe the step that started MPI's daemons, not the ranks.
+        ids = {"SLURM_NTASKS": ctx.size, "SLURM_PROCID": ctx.rank, "SLURM_LOCALID": ctx.local_rank}
         for name, want in ids.items():
             if env.get(name) != str(want):
                 problems.append(f"{name}={env.get(name)} but MPI gives {want}")
+    gpu_detail = ""
     if args.gpus_per_task:
-        visible = [v for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
-        if len(visible) != args.gpus_per_task:
-            seen = env.get("CUDA_VISIBLE_DEVICES")
-            problems.append(f"CUDA_VISIBLE_DEVICES={seen!r}, expected {args.gpus_per_task} GPU(s)")
-        bound = ctx.comm.allgather((ctx.host, tuple(visible)))
-        same_host = [gpus for host, gpus in bound if host == ctx.host]
-        if len(set(same_host)) != len(same_host):
-            problems.append(f"ranks on {ctx.host} share GPUs: {same_host}")
+        seen = env.get("CUDA_VISIBLE_DEVICES")
+        visible = [v for v in (seen or "").split(",") if v]
+        if not visible:
+            problems.append(f"CUDA_VISIBLE_DEVICES={seen!r}: Slurm bound no GPU")
+        elif args.launcher == "srun" and len(visible) != args.gpus_per_task:
+            problems.append(f"CUDA_VISIBLE_DEVICES={seen!r}, expected {args.gpus_per_task} GPU(s) for this task")
+        driven = visible[gpu_for_local_rank(ctx.local_rank, len(visible))] if visible else None
+        chosen = ctx.comm.allgather((ctx.host, driven))
+        on_host = [gpu for host, gpu in chosen if host == ctx.host]
+        if len(set(on_host)) != len(on_host):
+            problems.append(f"ranks on {ctx.host} would share GPUs: {on_host}")
+        gpu_detail = f", GPUs per rank on {ctx.host}: {on_host} (CUDA_VISIBLE_DEVICES={seen})"
     if problems:
         return False, "; ".join(problems)
-    detail = f"job {env['SLURM_JOB_ID']}, {ntasks} task(s)"
+    detail = f"job {env['SLURM_JOB_ID']} on {len(hosts)} node(s)"
     if args.launcher == "srun":
-        detail += ", SLURM_PROCID/SLURM_LOCALID = MPI rank/local rank"
-    if args.gpus_per_task:
-        detail += f", one distinct GPU per task (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')})"
-    return True, detail
+        detail += f", SLURM_NTASKS={ctx.size}, SLURM_PROCID/SLURM_LOCALID = MPI rank/local rank"
+    return True, detail + gpu_detail
 
 
 def check_info_table(ctx: mt.DistributedContext, args: argparse.Namespace) -> Verdict:
