@@ -71,6 +71,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines.extend("  ".join(c.ljust(w) for c, w in zip(cell, widths)) for cell in cells)
     hosts = sorted({row["host"] for row in rows})
     lines.append(f"{len(rows)} rank(s) on {len(hosts)} host(s): {', '.join(hosts)}")
+    if len(hosts) > 1:
+        lines.extend(_per_host(rows))
     if rows and rows[0]["slurm"].get("SLURM_JOB_ID"):
         slurm = rows[0]["slurm"]
         lines.append(f"Slurm job {slurm['SLURM_JOB_ID']}, {slurm.get('SLURM_NTASKS', '?')} task(s)")
@@ -78,6 +80,24 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if row["local_rank_note"]:
             lines.append(f"note: rank {row['rank']}: {row['local_rank_note']}")
     return "\n".join(lines)
+
+
+def _per_host(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per host, in order of its first rank: its ranks, their local ranks and GPUs.
+
+    Across hosts this is the table's point: each host's local ranks must run 0..k-1, and
+    the devices show which GPU each local rank drives.
+    """
+    by_host: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_host.setdefault(row["host"], []).append(row)
+    lines = []
+    for host, members in by_host.items():
+        ranks = ", ".join(str(row["rank"]) for row in members)
+        local = ", ".join(str(row["local_rank"]) for row in members)
+        devices = ", ".join(row["device"].split("@")[0] for row in members)
+        lines.append(f"  {host}: rank(s) {ranks}; local rank(s) {local}; device(s) {devices}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
