@@ -1,0 +1,329 @@
+"""The shared-memory all-reduce (and its hierarchical scheme) against NumPy and the plain path.
+
+Every rank builds every rank's input from a seed, so each checks its own result against a
+NumPy reference of all inputs. Integer-valued floats make float sums exact, so the fast path
+must equal the plain ``MPI_Iallreduce`` path exactly; with arbitrary floats it must give the
+same bits on every rank and stay close to the reference.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import zlib
+
+import numpy as np
+import pytest
+
+import mpitensor as mt
+from mpitensor import _shm
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+OP = mt.ReduceOperation
+OPS = [OP.SUM, OP.MEAN, OP.MAX, OP.MIN, OP.PROD]
+DTYPES = [np.float32, np.float64, np.int32, np.int64]
+# Element counts: fewer than the ranks, odd, not divisible by 3 or 4, several pieces.
+COUNTS = [1, 3, 7, 1001, (1 << 18) + 3]
+_UFUNC = {OP.SUM: np.add, OP.MEAN: np.add, OP.MAX: np.maximum, OP.MIN: np.minimum, OP.PROD: np.multiply}
+
+FAST = mt.DistributedConfig(shared_memory=True)
+PLAIN = mt.DistributedConfig(shared_memory=False)
+
+
+def seed_of(*parts: object) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def exact_input(seed: int, rank: int, shape: tuple[int, ...], dtype: type, op: OP) -> np.ndarray:
+    """Small integers (as floats too): sums and products are exact in every order."""
+    rng = np.random.default_rng([seed, rank])
+    low, high = (-2, 3) if op is OP.PROD else (-50, 51)
+    return rng.integers(low, high, shape).astype(dtype)
+
+
+def noisy_input(seed: int, rank: int, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    rng = np.random.default_rng([seed, rank])
+    return rng.standard_normal(shape).astype(dtype) * 10 ** rng.uniform(-3, 3, shape).astype(dtype)
+
+
+def reference(op: OP, arrays: list[np.ndarray]) -> np.ndarray:
+    """The reduction in rank order, by NumPy's rules (MEAN of integers in float64)."""
+    ufunc = _UFUNC[op]
+    work = np.float64 if op is OP.MEAN and arrays[0].dtype.kind in "iu" else arrays[0].dtype
+    acc = arrays[0].astype(work)
+    for array in arrays[1:]:
+        acc = ufunc(acc, array.astype(work))
+    if op is OP.MEAN:
+        acc = acc / len(arrays)
+    return acc.astype(work)
+
+
+def digest(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+def same_on_every_rank(comm, array: np.ndarray) -> bool:
+    return len(set(comm.allgather(digest(array)))) == 1
+
+
+def via_shared_memory(result) -> bool:
+    """True when the result lives in a block of this rank's shared memory."""
+    array = result._array if isinstance(result, mt.Tensor) else result
+    while array is not None:
+        if isinstance(array, _shm._Lease):
+            return True
+        array = getattr(array, "base", None)
+    return False
+
+
+def group_state(ctx, members=None):
+    group = ctx._group(None if members is None else members)
+    return group.extra.get("shared_memory")
+
+
+def pseudo_nodes(monkeypatch, size: int) -> None:
+    """Split this host's ranks into nodes of `size` ranks: runs the hierarchical scheme."""
+    monkeypatch.setenv("MPITENSOR_SHM_NODE_SIZE", str(size))
+
+
+# -- the flat scheme: every rank of the group on one node ----------------------------------
+
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+def test_equals_plain_path_and_reference(op, dtype, count):
+    seed = seed_of("flat", op.name, np.dtype(dtype).name, count)
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        inputs = [exact_input(seed, r, (count,), dtype, op) for r in range(ctx.size)]
+        fast = mt.all_reduce(mt.tensor(inputs[ctx.rank]), op).resolve()
+        assert via_shared_memory(fast)
+        assert not group_state(ctx).disabled
+        fast = np.array(fast)
+    with mt.DistributedContext.init(config=PLAIN) as ctx:
+        plain = mt.all_reduce(mt.tensor(inputs[ctx.rank]), op).resolve()
+        assert not via_shared_memory(plain)
+        plain = np.array(plain)
+    expected = reference(op, inputs)
+    assert fast.dtype == plain.dtype == expected.dtype
+    np.testing.assert_array_equal(fast, expected)
+    np.testing.assert_array_equal(fast, plain)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", [OP.SUM, OP.MEAN, OP.PROD], ids=lambda o: o.name)
+def test_floats_identical_on_every_rank(op, dtype):
+    count = (1 << 17) + 5
+    seed = seed_of("noisy", op.name, np.dtype(dtype).name)
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        inputs = [noisy_input(seed, r, (count,), dtype) for r in range(ctx.size)]
+        result = np.array(mt.all_reduce(inputs[ctx.rank], op).resolve())
+        assert same_on_every_rank(ctx.comm, result)
+        # Each element is reduced once, in rank order: exactly NumPy's sequential result.
+        np.testing.assert_array_equal(result, reference(op, inputs))
+
+
+def test_shapes_and_bool():
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        for shape in [(33, 7), (2, 3, 5), ()]:
+            seed = seed_of("shape", shape)
+            inputs = [exact_input(seed, r, shape, np.float32, OP.SUM) for r in range(ctx.size)]
+            result = mt.all_reduce(mt.tensor(inputs[ctx.rank])).resolve()
+            assert result.shape == shape
+            np.testing.assert_array_equal(np.array(result), reference(OP.SUM, inputs))
+        flags = [np.arange(101) % (r + 2) == 0 for r in range(ctx.size)]
+        for op, expected in ((OP.MAX, np.logical_or.reduce(flags)), (OP.MIN, np.logical_and.reduce(flags))):
+            result = mt.all_reduce(flags[ctx.rank], op).resolve()
+            assert via_shared_memory(result)
+            np.testing.assert_array_equal(np.array(result), expected)
+
+
+@pytest.mark.parametrize("kind", ["tail", "halves", "pair"])
+def test_sub_groups(kind):
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        size, rank = ctx.size, ctx.rank
+        if kind == "tail":
+            members = list(range(1, size))
+        elif kind == "halves":
+            members = [r for r in range(size) if r % 2 == rank % 2]
+        else:
+            members = [0, size - 1]
+        if rank not in members:
+            # Ranks outside the group run a collective of their own meanwhile.
+            result = mt.all_reduce(np.full(1000, 2.0), devices=[rank]).resolve()
+            np.testing.assert_array_equal(np.array(result), np.full(1000, 2.0))
+            return
+        seed = seed_of("group", kind, tuple(members))
+        inputs = {r: exact_input(seed, r, (4099,), np.int64, OP.SUM) for r in members}
+        result = mt.all_reduce(inputs[rank], OP.SUM, devices=members).resolve()
+        if len(members) > 1:
+            assert via_shared_memory(result)
+        np.testing.assert_array_equal(np.array(result), reference(OP.SUM, [inputs[r] for r in members]))
+
+
+# -- the hierarchical scheme: node-local reduce, leaders all-reduce, node-local copy ---------
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("node_size", [1, 2, 3])
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+def test_hierarchical_equals_reference(monkeypatch, op, node_size):
+    pseudo_nodes(monkeypatch, node_size)
+    seed = seed_of("hier", op.name, node_size)
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        layout = _shm.node_layout(ctx, ctx._group(None))
+        if all(len(node) == 1 for node in layout):
+            # One rank per node: nothing to share, the plain path runs.
+            result = mt.all_reduce(np.ones(10), op).resolve()
+            assert not via_shared_memory(result)
+            return
+        for dtype in (np.int32, np.float64):
+            for count in (2, 1001, (1 << 17) + 1):
+                inputs = [exact_input(seed, r, (count,), dtype, op) for r in range(ctx.size)]
+                result = mt.all_reduce(inputs[ctx.rank], op).resolve()
+                assert via_shared_memory(result)
+                np.testing.assert_array_equal(np.array(result), reference(op, inputs))
+        noisy = [noisy_input(seed, r, (5003,), np.float32) for r in range(ctx.size)]
+        result = np.array(mt.all_reduce(noisy[ctx.rank], op).resolve())
+        assert same_on_every_rank(ctx.comm, result)
+        np.testing.assert_allclose(result, reference(op, noisy), rtol=1e-4, atol=1e-3)
+        assert not group_state(ctx).disabled
+
+
+@pytest.mark.mpi(min_size=4)
+def test_hierarchical_sub_group(monkeypatch):
+    pseudo_nodes(monkeypatch, 2)
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        members = [r for r in range(ctx.size) if r != 1]  # nodes {0}, {2, 3}, ...
+        if ctx.rank not in members:
+            return
+        inputs = {r: exact_input(7, r, (3001,), np.int64, OP.SUM) for r in members}
+        result = mt.all_reduce(inputs[ctx.rank], devices=members).resolve()
+        assert via_shared_memory(result)
+        np.testing.assert_array_equal(np.array(result), reference(OP.SUM, [inputs[r] for r in members]))
+
+
+# -- lifetime of results, ordering, choice of path -------------------------------------------
+
+
+def test_results_stay_valid_after_later_calls_and_close():
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        kept = []
+        for i in range(6):
+            inputs = [np.full(5000, float(i * 10 + r)) for r in range(ctx.size)]
+            kept.append((mt.all_reduce(inputs[ctx.rank]).resolve(), reference(OP.SUM, inputs)))
+        for _ in range(10):
+            mt.all_reduce(np.full(5000, -1.0)).resolve()
+        for result, expected in kept:
+            np.testing.assert_array_equal(np.array(result), expected)
+    # The context is closed; the blocks the results live in are still mapped.
+    for result, expected in kept:
+        np.testing.assert_array_equal(np.array(result), expected)
+
+
+def test_dropped_results_return_to_the_pool():
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        x = np.ones(70000, np.float32)
+        first = mt.all_reduce(x).resolve()
+        address = first._array.ctypes.data
+        del first
+        gc.collect()
+        again = mt.all_reduce(x).resolve()
+        assert again._array.ctypes.data == address
+        held = mt.all_reduce(x).resolve()
+        assert held._array.ctypes.data != again._array.ctypes.data
+        np.testing.assert_array_equal(np.array(held), np.full(70000, ctx.size, np.float32))
+
+
+def test_many_in_flight_resolved_in_any_order():
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        inputs = [[np.full(3000 + i, float(i + r)) for r in range(ctx.size)] for i in range(8)]
+        handles = [mt.all_reduce(inputs[i][ctx.rank]) for i in range(8)]
+        small = mt.all_reduce(np.array([1.0]), devices=[ctx.rank])  # another group meanwhile
+        for i in reversed(range(8)):
+            np.testing.assert_array_equal(np.array(handles[i].resolve()), reference(OP.SUM, inputs[i]))
+        np.testing.assert_array_equal(np.array(small.resolve()), [1.0])
+
+
+def test_default_chooses_by_size(monkeypatch):
+    monkeypatch.delenv("MPITENSOR_SHM_MIN_BYTES", raising=False)
+    with mt.DistributedContext.init() as ctx:
+        threshold = _shm.min_bytes()
+        small = mt.all_reduce(np.ones(16, np.float32)).resolve()
+        large = mt.all_reduce(np.ones(threshold // 4, np.float32)).resolve()
+        assert not via_shared_memory(small)
+        assert via_shared_memory(large)
+        mixed = [mt.all_reduce(np.full(n, 1.0, np.float32)) for n in (8, threshold // 4, 9, threshold // 2)]
+        for handle, n in zip(mixed, (8, threshold // 4, 9, threshold // 2)):
+            np.testing.assert_array_equal(np.array(handle.resolve()), np.full(n, ctx.size, np.float32))
+
+
+def test_off_switch_and_unsupported_ops():
+    with mt.DistributedContext.init(config=PLAIN) as ctx:
+        assert not via_shared_memory(mt.all_reduce(np.ones(100000)).resolve())
+        assert group_state(ctx) is None
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        # MAX of complex numbers has no MPI op (a NumPy-defined one runs instead): plain path.
+        values = np.full(1000, complex(ctx.rank, -ctx.rank))
+        result = mt.all_reduce(values, OP.MAX).resolve()
+        assert not via_shared_memory(result)
+        np.testing.assert_array_equal(np.array(result), np.full(1000, complex(ctx.size - 1, 1 - ctx.size)))
+
+
+def test_mismatched_shapes_fail_the_check_not_hang():
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        count = 1000 + (ctx.rank == 0)
+        with pytest.raises(mt.CollectiveMismatchError, match="shape"):
+            mt.all_reduce(np.ones(count)).resolve(timeout=60)
+        # The group still works afterwards.
+        result = mt.all_reduce(np.ones(1000)).resolve(timeout=60)
+        np.testing.assert_array_equal(np.array(result), np.full(1000, float(ctx.size)))
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_with_and_without_progress_thread(progress):
+    config = mt.DistributedConfig(shared_memory=True, progress=progress)
+    with mt.DistributedContext.init(config=config) as ctx:
+        inputs = [np.full(300000, float(r + 1), np.float32) for r in range(ctx.size)]
+        handles = [mt.all_reduce(inputs[ctx.rank]) for _ in range(4)]
+        busy = np.sin(np.arange(200000.0)).sum()  # compute while the operations are in flight
+        assert np.isfinite(busy)
+        for handle in handles:
+            np.testing.assert_array_equal(np.array(handle.resolve()), reference(OP.SUM, inputs))
+
+
+# -- falling back when memory cannot be shared ----------------------------------------------
+
+
+def test_a_rank_that_cannot_map_a_peer_makes_every_rank_fall_back(monkeypatch):
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        inputs = [exact_input(3, r, (20000,), np.int64, OP.SUM) for r in range(ctx.size)]
+        first = mt.all_reduce(inputs[ctx.rank]).resolve()  # sets up the group
+        np.testing.assert_array_equal(np.array(first), reference(OP.SUM, inputs))
+        if ctx.rank == ctx.size - 1:
+            def refuse(self, *args):
+                raise OSError("simulated: no access to the peer's memory")
+
+            monkeypatch.setattr(_shm._GroupState, "peer_block", refuse)
+            state = group_state(ctx)
+            state.peer_maps.clear()
+        result = mt.all_reduce(inputs[ctx.rank]).resolve()
+        np.testing.assert_array_equal(np.array(result), reference(OP.SUM, inputs))
+        assert group_state(ctx).disabled  # on every rank: they all saw the same agreement
+        again = mt.all_reduce(inputs[ctx.rank], OP.MAX).resolve()
+        np.testing.assert_array_equal(np.array(again), reference(OP.MAX, inputs))
+
+
+def test_a_rank_without_shared_memory_makes_every_rank_fall_back(monkeypatch):
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        if ctx.rank == 0:
+            def no_memory(self, nbytes):
+                raise OSError("simulated: memfd_create failed")
+
+            monkeypatch.setattr(_shm._Arena, "take", no_memory)
+        inputs = [exact_input(4, r, (9999,), np.float64, OP.SUM) for r in range(ctx.size)]
+        result = mt.all_reduce(inputs[ctx.rank]).resolve()
+        np.testing.assert_array_equal(np.array(result), reference(OP.SUM, inputs))
+        assert group_state(ctx).disabled
+        assert via_shared_memory(result) == (ctx.rank != 0)
