@@ -1,0 +1,33 @@
+# The benchmark (see BENCHMARKS.md): `make bench` builds .venv-bench-$(MPI) (mpitensor,
+# matplotlib and a CPU torch for the gloo column) and runs the full sweep, the overlap and
+# the fused benchmarks at 2 and 4 ranks (4 oversubscribe a 2-core machine); results land in
+# $(BENCH_OUT)/<mpi>-np<N>.{json,md,png}, then the targets table is printed.
+#   make bench MPI=mpich              the same with MPICH
+#   make bench BENCH_ARGS=--quick     a short sanity run
+#   make bench BENCH_TORCH=           no torch (the gloo column is skipped, with a note)
+# torch==2.13.0 matches the CPU wheel this project is measured with; from PyPI other
+# platforms may fetch a CUDA build of it (large). Any torch version works for the baseline.
+.PHONY: bench bench-venv bench-report
+
+BENCH_VENV ?= .venv-bench-$(MPI)
+BENCH_OUT ?= bench-results
+BENCH_NP ?= 2 4
+BENCH_ARGS ?=
+BENCH_TORCH ?= torch==2.13.0
+
+bench-venv:
+	@scripts/make-venv.sh $(BENCH_VENV) $(MPI) test,plot
+	@if [ -n "$(BENCH_TORCH)" ] && ! $(BENCH_VENV)/bin/python -c "import torch" 2>/dev/null; then \
+	  $(BENCH_VENV)/bin/python -m pip install -q "$(BENCH_TORCH)" || \
+	    echo "bench: could not install $(BENCH_TORCH); the gloo column will be skipped"; \
+	fi
+
+bench: bench-venv
+	@set -e; for n in $(BENCH_NP); do \
+	  timeout -k 10 3600 scripts/mpirun.sh --venv $(BENCH_VENV) -n $$n \
+	    $(BENCH_VENV)/bin/python -m mpitensor.bench all --out $(BENCH_OUT) $(BENCH_ARGS); \
+	done
+	@$(MAKE) --no-print-directory bench-report
+
+bench-report:
+	$(BENCH_VENV)/bin/python -m mpitensor.bench report $(BENCH_OUT)/*.json
