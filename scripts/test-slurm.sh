@@ -30,7 +30,7 @@
 # Slurm 22.05 refuses --ntasks-per-node above a node's CPUs even with --overcommit, so on a
 # machine with fewer than 4 CPUs the node is declared with 4 (SlurmdParameters=
 # config_overrides, a setting made for such test set-ups); the ranks still share the real CPUs.
-# It skips (exit 0, one line) without root, or without Slurm and apt-get to install it.
+# It skips (exit 0, one line) without root or mknod, or without Slurm and apt-get to install it.
 # Settings: MPT_MPIS="mpich openmpi", JOB_LIMIT=240 (s for all jobs), FAILFAST_LIMIT=20.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -47,6 +47,11 @@ say() { echo "test-slurm: $*"; }
 
 [ "$(uname -s)" = Linux ] || skip "needs Linux"
 [ "$(id -u)" = 0 ] || skip "needs root (it starts munged, slurmctld and slurmd)"
+probe=$(mktemp -d /tmp/mpt-probe.XXXXXX)
+probe_ok=1
+mknod "$probe/gpu" c 1 3 2>/dev/null || probe_ok=0
+rm -rf "$probe"
+[ "$probe_ok" = 1 ] || skip "mknod is not permitted here (a container without CAP_MKNOD?): no placeholder GPUs"
 packages=(slurmctld slurmd slurm-client munge libpmix-dev)
 if ! command -v dpkg >/dev/null || ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
   command -v apt-get >/dev/null ||
