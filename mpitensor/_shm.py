@@ -67,8 +67,10 @@ _DEFAULT_MIN_BYTES = 256 << 10
 # peers' result blocks reads it from cache instead of memory.
 _PIECE_BYTES = 512 << 10
 _PAGE = mmap.PAGESIZE
-_MAX_CACHED_BYTES = 1 << 30
-_MAX_PEER_MAPS = 64
+_MAX_CACHED_BYTES = 512 << 20
+# Peers' blocks stay mapped (least recently used dropped first) up to this many bytes: a
+# block its owner has freed lives on while mapped here.
+_MAX_PEER_MAP_BYTES = 1 << 30
 _TAG_SCATTER = 0x6D74
 _TAG_GATHER = 0x6D75
 _EXTRA_KEY = "shared_memory"
@@ -103,23 +105,30 @@ class SharedMemoryPost(NamedTuple):
     post: Callable[[], Stepper]
 
 
+_min_bytes: int | None = None
+
+
 def min_bytes() -> int:
     """The message size from which the fast path is used when ``shared_memory`` is None.
 
-    ``MPITENSOR_SHM_MIN_BYTES`` overrides the default (256 KiB).
+    ``MPITENSOR_SHM_MIN_BYTES`` overrides the default (256 KiB); it is read here, and
+    all-reduces use the value read last (the first all-reduce reads it).
 
     Raises:
         ValueError: the variable is set but not a non-negative integer.
     """
+    global _min_bytes
     raw = os.environ.get("MPITENSOR_SHM_MIN_BYTES", "").strip()
     if not raw:
-        return _DEFAULT_MIN_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"MPITENSOR_SHM_MIN_BYTES must be a non-negative integer, got {raw!r}")
+        value = _DEFAULT_MIN_BYTES
+    else:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(f"MPITENSOR_SHM_MIN_BYTES must be a non-negative integer, got {raw!r}")
+    _min_bytes = value
     return value
 
 
@@ -193,24 +202,25 @@ def shared_memory_post(
     Returns:
         The result array and the post function, or None.
     """
-    setting = ctx.config.shared_memory
-    if setting is False or group.size < 2 or not isinstance(send, np.ndarray):
+    # Cheapest tests first: this runs on every all-reduce, small ones included.
+    setting = ctx._config.shared_memory
+    if setting is False:
         return None
     nbytes = send.nbytes
-    if nbytes == 0 or (setting is None and nbytes < min_bytes()):
+    if (setting is None and nbytes < (_min_bytes if _min_bytes is not None else min_bytes())) or nbytes == 0:
         return None
-    if not hasattr(os, "memfd_create") or send.dtype.kind not in "biufc" or not send.flags.c_contiguous:
+    state = group.extra.get(_EXTRA_KEY)
+    if state is None:
+        state = _GroupState(group, node_layout(ctx, group))
+        group.extra[_EXTRA_KEY] = state
+    if not state.applies or not isinstance(send, np.ndarray):
+        return None
+    if send.dtype.kind not in "biufc" or not send.flags.c_contiguous:
         return None
     ufunc = _ufunc_for(plan.mpi_op)
     if ufunc is None:
         return None
-    layout = node_layout(ctx, group)
-    if all(len(node) == 1 for node in layout):
-        return None
-    state = group.extra.get(_EXTRA_KEY)
-    if state is None:
-        state = _GroupState(group)
-        group.extra[_EXTRA_KEY] = state
+    layout = state.layout
     out, block = state.lease_result(send.shape, send.dtype, ctx)
 
     def post() -> Stepper:
@@ -334,10 +344,19 @@ class _Arena:
 
 
 class _GroupState:
-    """What the fast path keeps per group (in ``group.extra``; freed with the context)."""
+    """What the fast path keeps per group (in ``group.extra``; freed with the context).
 
-    def __init__(self, group: Group) -> None:
+    Args:
+        group: the group.
+        layout: its ranks per node (`node_layout`); the fast path applies when a node
+            holds two of them.
+    """
+
+    def __init__(self, group: Group, layout: tuple[tuple[int, ...], ...]) -> None:
         self.group = group
+        self.layout = layout
+        self.applies = group.size > 1 and any(len(node) > 1 for node in layout) and hasattr(os, "memfd_create")
+        self.peer_bytes = 0
         self.arena = _Arena()
         self.comm: Any = None
         self.dup_request: Any = None
@@ -403,8 +422,9 @@ class _GroupState:
         finally:
             os.close(handle)
         self.peer_maps[key] = mem
-        while len(self.peer_maps) > _MAX_PEER_MAPS:
-            self.peer_maps.popitem(last=False)
+        self.peer_bytes += mem.nbytes
+        while self.peer_bytes > _MAX_PEER_MAP_BYTES and len(self.peer_maps) > 1:
+            self.peer_bytes -= self.peer_maps.popitem(last=False)[1].nbytes
         return mem
 
     def free(self) -> None:
@@ -413,6 +433,7 @@ class _GroupState:
         if comm is not None and comm != MPI.COMM_NULL:
             comm.Free()
         self.peer_maps.clear()
+        self.peer_bytes = 0
         self.arena.close()
 
 
