@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,7 +47,7 @@ from ._collective import CollectiveTensor, Input, check_record, start
 from ._config import ReduceOperation
 from ._cuda_aware import CudaAwareness, detect
 from ._device import Device
-from ._dtypes import reduce_plan
+from ._dtypes import ReducePlan, reduce_plan
 from ._engine import Group, Op
 from ._mpi import MPI
 from ._pinned import PinnedBuffer, pinned_pool
@@ -346,6 +347,13 @@ def gpu_all_reduce(
     The result is a fresh `Tensor` on the input's device, ordered on the stream current
     at the call. ``MEAN`` divides on the device.
 
+    Every rank of a group must run the same algorithm. Ranks with host inputs use the
+    shared-memory all-reduce for large messages within a node (`_shm`), so a staged input
+    is offered to it too, and in a group that has CPU ranks the input is staged even on a
+    CUDA-aware MPI. (On a CUDA-aware MPI, a GPU-only context where one rank passes a host
+    array and another a GPU array of a size the shared-memory path takes would disagree:
+    pass the same kind of array on every rank, or set ``shared_memory=False``.)
+
     Args:
         ctx: the open context.
         source: the checked input (`take_input`); ``source.buffer`` is C-contiguous.
@@ -371,33 +379,27 @@ def gpu_all_reduce(
     out = call.empty(tuple(array.shape), plan.work_dtype)
     ready = call.mark()
     result = Tensor(out, cuda_result_device(ctx, source, call.device))
-    comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
-    divide_by = size if plan.divide else None
-
-    if device_buffers_ok(ctx, mpi_op):
-
-        def post() -> list[Any]:
-            ready.synchronize()
-            return [comm.Iallreduce([send, datatype], [out, datatype], mpi_op)]
-
-        def finish() -> Tensor:
-            if divide_by is not None:
-                call.divide(out, divide_by)
-            return result
-
-        keep: tuple[Any, ...] = (send, out)
+    divide_by = group.size if plan.divide else None
+    has_cpu_ranks = any(ctx.devices[m].kind != "cuda" for m in group.members)
+    if device_buffers_ok(ctx, plan.mpi_op) and not has_cpu_ranks:
+        steps = _reduce_device_buffers(call, group, plan, send, out, ready, divide_by)
     else:
         staged = call.stage(send, after=ready)
+        # Ranks with host inputs take the shared-memory all-reduce where it applies (large
+        # messages within a node); its decision depends only on what every rank agrees on,
+        # so offering it the staged buffer keeps every rank on the same algorithm.
+        from ._shm import shared_memory_post
 
-        def post() -> list[Any]:
-            host = staged.wait()
-            return [comm.Iallreduce(MPI.IN_PLACE, [host, datatype], mpi_op)]
+        fast = shared_memory_post(ctx, group, staged.buffer.array, plan)
+        if fast is None:
+            steps = _reduce_staged(call, group, plan, staged, out, divide_by)
+        else:
+            steps = _reduce_staged_shared(call, fast, staged, out, divide_by)
+    post, finish_copy, keep = steps
 
-        def finish() -> Tensor:
-            call.unstage(staged.buffer, out, divide_by=divide_by)
-            return result
-
-        keep = (send, out, staged.buffer)
+    def finish() -> Tensor:
+        finish_copy()
+        return result
 
     record = check_record(ctx, group, Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members))
     op = Op(
@@ -407,7 +409,57 @@ def gpu_all_reduce(
         post,
         finish,
         record=record,
-        keep=keep,
+        keep=(send, out, *keep),
         protections=source.protect(),
     )
     return start(ctx, op, result)
+
+
+_Steps = tuple[Callable[[], Any], Callable[[], None], tuple[Any, ...]]
+
+
+def _reduce_device_buffers(
+    call: GpuCall, group: Group, plan: ReducePlan, send: Any, out: Any, ready: Any, divide_by: int | None
+) -> _Steps:
+    """cuda-aware: MPI reduces the device buffers once the work producing them is done."""
+    comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
+
+    def post() -> list[Any]:
+        ready.synchronize()
+        return [comm.Iallreduce([send, datatype], [out, datatype], mpi_op)]
+
+    def finish() -> None:
+        if divide_by is not None:
+            call.divide(out, divide_by)
+
+    return post, finish, ()
+
+
+def _reduce_staged(
+    call: GpuCall, group: Group, plan: ReducePlan, staged: Staged, out: Any, divide_by: int | None
+) -> _Steps:
+    """staged: MPI reduces the pinned copy in place; the result is copied back."""
+    comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
+
+    def post() -> list[Any]:
+        host = staged.wait()
+        return [comm.Iallreduce(MPI.IN_PLACE, [host, datatype], mpi_op)]
+
+    def finish() -> None:
+        call.unstage(staged.buffer, out, divide_by=divide_by)
+
+    return post, finish, (staged.buffer,)
+
+
+def _reduce_staged_shared(call: GpuCall, fast: Any, staged: Staged, out: Any, divide_by: int | None) -> _Steps:
+    """staged, through the shared-memory all-reduce (the result comes from its memory)."""
+
+    def post() -> Any:
+        staged.wait()
+        return fast.post()
+
+    def finish() -> None:
+        call.unstage(fast.out, out, divide_by=divide_by)
+        staged.buffer.release()
+
+    return post, finish, (staged.buffer, fast.out)

@@ -7,6 +7,7 @@ so these modules collect on machines without CuPy. Run them on a GPU machine wit
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -41,6 +42,17 @@ def gpu_ctx() -> Iterator[mt.DistributedContext]:
         context.close()
 
 
+@pytest.fixture(scope="module")
+def gpu_module_ctx() -> Iterator[mt.DistributedContext]:
+    """One GPU context for a whole module of quick tests."""
+    if GPUS == 0:
+        pytest.skip(f"no CUDA GPU visible: {NO_GPU_REASON}")
+    context = mt.DistributedContext.init(config=mt.DistributedConfig(device="cuda"))
+    yield context
+    if not context.closed and not context.broken:
+        context.close()
+
+
 SPIN_SOURCE = r"""
 extern "C" __global__ void spin(unsigned long long nanoseconds) {
     unsigned long long start, now;
@@ -52,8 +64,15 @@ extern "C" __global__ void spin(unsigned long long nanoseconds) {
 """
 
 
+@functools.cache
+def _spin_kernel(cupy: ModuleType) -> object:
+    kernel = cupy.RawKernel(SPIN_SOURCE, "spin")
+    kernel.compile()  # compile now, not inside a timed section
+    return kernel
+
+
 def spin(cupy: ModuleType, seconds: float, stream: object = None) -> None:
     """Queue a kernel that keeps the GPU busy for `seconds` on `stream` (default: current)."""
-    kernel = cupy.RawKernel(SPIN_SOURCE, "spin")
+    kernel = _spin_kernel(cupy)
     with stream if stream is not None else cupy.cuda.get_current_stream():
         kernel((1,), (1,), (cupy.uint64(int(seconds * 1e9)),))

@@ -25,8 +25,8 @@ SHAPES = [(), (0,), (7,), (3, 4)]
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", list(OP), ids=lambda o: o.name)
-def test_every_op_dtype_shape(gpu_ctx, cp, op, dtype, shape):
-    ctx = gpu_ctx
+def test_every_op_dtype_shape(gpu_module_ctx, cp, op, dtype, shape):
+    ctx = gpu_module_ctx
     seed = seed_of("gpu", op.name, np.dtype(dtype).name, shape)
     mine = mt.tensor(rank_input(seed, ctx.rank, shape, dtype), device=ctx.device)
     result = mt.all_reduce(mine, op).resolve()
@@ -38,8 +38,8 @@ def test_every_op_dtype_shape(gpu_ctx, cp, op, dtype, shape):
 
 
 @pytest.mark.parametrize("kind", GROUP_KINDS)
-def test_groups(gpu_ctx, kind):
-    ctx = gpu_ctx
+def test_groups(gpu_module_ctx, kind):
+    ctx = gpu_module_ctx
     members = group_members(kind, ctx.size, ctx.rank)
     if members is None:
         pytest.skip(f"rank {ctx.rank} is outside the {kind} group")
@@ -69,14 +69,17 @@ def test_non_contiguous_input_and_bare_cupy_arrays(gpu_ctx, cp):
     np.testing.assert_array_equal(result.numpy(), (np.arange(12, dtype=np.float32).reshape(3, 4) * factor).T)
 
 
-def test_the_input_cannot_be_written_while_in_flight(gpu_ctx):
-    x = mt.ones(16, dtype=np.float32, device=gpu_ctx.device)
-    pending = mt.all_reduce(x)
-    if not pending.done:
+def test_the_input_cannot_be_written_while_in_flight(cp):
+    # Without a progress thread nothing completes the op before the next engine call.
+    config = mt.DistributedConfig(device="cuda", progress=False)
+    with mt.DistributedContext.init(config=config) as ctx:
+        x = mt.ones(16, dtype=np.float32, device=ctx.device)
+        pending = mt.all_reduce(x)
         with pytest.raises(mt.TensorInFlightError, match=r"call resolve\(\) on its CollectiveTensor"):
             x += 1
-    pending.resolve()
-    x += 1
+        pending.resolve()
+        x += 1
+        assert float(x.sum().item()) == 32.0
 
 
 def test_input_produced_late_on_a_side_stream_is_what_gets_reduced(gpu_ctx, cp):
@@ -87,7 +90,7 @@ def test_input_produced_late_on_a_side_stream_is_what_gets_reduced(gpu_ctx, cp):
         spin(cp, 0.2)  # the values below are written only after 0.2 s of GPU work
         x.fill(ctx.rank + 1)
         y = mt.all_reduce(x).resolve()
-        total = float((y * 1).sum().get())
+        total = float(y.sum().item())
     assert total == float(sum(r + 1 for r in range(ctx.size)) * (1 << 20))
 
 
@@ -101,13 +104,14 @@ def test_the_result_is_ordered_on_the_caller_stream(gpu_ctx, cp):
         # a caller's kernel not ordered after it would read an unfilled result.
         spin(cp, 0.3, copy_stream(ctx.device.index))
         y = pending.resolve()
-        doubled = (y * 2).get()
+        doubled = (y * 2).numpy()
     assert (doubled == 2.0 * sum(r + 1 for r in range(ctx.size))).all()
 
 
 def test_gpu_compute_after_the_call_overlaps_it(gpu_ctx, cp):
     ctx = gpu_ctx
     x = mt.full((1 << 18,), ctx.rank + 1.0, dtype=np.float32, device=ctx.device)
+    spin(cp, 0.0)
     pending = mt.all_reduce(x)
     mt.barrier()  # every rank has posted: no rank's copies wait behind another's kernel
     stream = cp.cuda.get_current_stream()
@@ -160,13 +164,35 @@ def test_staging_buffers_are_pooled(gpu_ctx, cp):
     assert after["hits"] == before["hits"] + 5
 
 
+SIZES = pytest.mark.parametrize("elements", [4, 1 << 20], ids=["small", "shared-memory-size"])
+
+
 @pytest.mark.mpi(min_size=2)
-def test_gpu_and_cpu_ranks_reduce_together(gpu_ctx, cp):
+@SIZES
+def test_cpu_and_gpu_ranks_of_one_context(cp, elements):
+    # Even ranks on their GPU, odd ranks on their CPU (this is every rank's own device).
+    from mpitensor._mpi import MPI
+
+    size = MPI.COMM_WORLD.Get_size()
+    devices = [mt.Device("cuda", 0, r) if r % 2 == 0 else mt.Device("cpu", 0, r) for r in range(size)]
+    with mt.DistributedContext.init(devices) as ctx:
+        mine = mt.full((elements,), ctx.rank + 1.0)
+        assert mine.device.kind == ("cpu" if ctx.rank % 2 else "cuda")
+        result = mt.all_reduce(mine, OP.MEAN).resolve(timeout=60)
+        assert result.device == ctx.device
+        np.testing.assert_array_equal(result.numpy(), np.full(elements, (ctx.size + 1) / 2))
+
+
+@pytest.mark.mpi(min_size=2)
+@SIZES
+def test_host_and_gpu_arrays_in_one_call(gpu_ctx, cp, elements):
     ctx = gpu_ctx
-    mine = np.full(4, ctx.rank + 1.0) if ctx.rank % 2 else cp.full(4, ctx.rank + 1.0)
-    result = mt.all_reduce(mine).resolve()
+    if elements > 4 and data_path(ctx) == "cuda-aware":
+        pytest.skip("on a CUDA-aware MPI, mixed host and GPU inputs of this size need shared_memory=False")
+    mine = np.full(elements, ctx.rank + 1.0) if ctx.rank % 2 else cp.full(elements, ctx.rank + 1.0)
+    result = mt.all_reduce(mine, OP.MEAN).resolve(timeout=60)
     assert (result.device.kind == "cpu") == bool(ctx.rank % 2)
-    np.testing.assert_array_equal(result.numpy(), np.full(4, sum(r + 1.0 for r in range(ctx.size))))
+    np.testing.assert_array_equal(result.numpy(), np.full(elements, (ctx.size + 1) / 2))
 
 
 @pytest.mark.mpi(min_size=2)
