@@ -39,7 +39,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
     """
     ctx = context_for("all_gather")
     source = take_input(input, ctx, "all_gather")
-    group = ctx._group(devices)
+    group = ctx._group(devices, "all_gather")
     if source.on_gpu:
         from ._gpu_path import gpu_all_gather
 

@@ -50,7 +50,7 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         return fused_all_reduce(ctx, input, op, devices)
     reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
     source = take_input(input, ctx, "all_reduce")
-    group = ctx._group(devices)
+    group = ctx._group(devices, "all_reduce")
     if source.on_gpu:
         from ._gpu_path import gpu_all_reduce
 

@@ -36,7 +36,7 @@ def all_to_all(input: Any, *, devices: DevicesArg = None) -> CollectiveTensor:  
     """
     ctx = context_for("all_to_all")
     source = take_input(input, ctx, "all_to_all")
-    group = ctx._group(devices)
+    group = ctx._group(devices, "all_to_all")
     if source.on_gpu:
         from ._gpu_path import gpu_all_to_all
 

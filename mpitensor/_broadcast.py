@@ -56,7 +56,7 @@ def broadcast(
         CollectiveMismatchError: the ranks disagree on root, shape, dtype or group.
     """
     ctx = context_for("broadcast")
-    group = ctx._group(devices)
+    group = ctx._group(devices, "broadcast")
     root_at = root_rank(ctx, root)
     is_root = root_at == ctx.rank
     if input is None:

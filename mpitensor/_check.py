@@ -21,6 +21,10 @@ from ._errors import CollectiveMismatchError
 
 __all__ = [
     "ABANDON",
+    "ABANDONED_KIND",
+    "AbandonRecord",
+    "Waiting",
+    "decode_waiting",
     "MAX_DIMS",
     "dtype_from_code",
     "PER_RANK_SLOT",
@@ -59,6 +63,7 @@ KIND_NAMES = {
     15: "no collective (abandoned)",
 }
 KIND_CODES = {name: code for code, name in KIND_NAMES.items()}
+ABANDONED_KIND = KIND_NAMES[15]
 
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOperation)}
 _OP_NAMES = {code: op.name for op, code in _OP_CODES.items()}
@@ -159,6 +164,62 @@ class Record:
         return out
 
 
+@dataclass(frozen=True)
+class AbandonRecord(Record):
+    """The record of a check this rank posts only to unblock peers (see the diagnosis).
+
+    It says where this rank is stuck instead: the group it waits on, that wait's place in
+    the group's sequence, whether it is the group's creation, and the operation.
+    """
+
+    waiting_on: tuple[int, ...] = ()
+    waiting_seq: int = 0
+    creating: bool = False
+    doing: str = "all_reduce"
+
+    def encode(self) -> np.ndarray:
+        """The record as ``RECORD_LEN`` int64 values."""
+        out = np.zeros(RECORD_LEN, np.int64)
+        out[_KIND] = KIND_CODES[ABANDONED_KIND]
+        out[_OP] = int(self.creating)
+        out[_NDIM] = len(self.waiting_on)
+        shown = self.waiting_on[:MAX_DIMS]
+        out[_DIMS : _DIMS + len(shown)] = shown
+        out[_ROOT] = self.waiting_seq
+        out[_GROUP] = group_hash(self.group)
+        out[_GSIZE] = len(self.group)
+        out[_PER_RANK] = KIND_CODES.get(self.doing, 0)
+        out[_EXTRA] = group_hash(self.waiting_on)
+        return out
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Where a rank that abandoned a check is stuck (decoded from its record)."""
+
+    shown: tuple[int, ...]  # the group's first members (all of them up to MAX_DIMS)
+    count: int
+    hash: int
+    seq: int
+    creating: bool
+    doing: str
+
+    @property
+    def complete(self) -> bool:
+        """True when `shown` lists every member."""
+        return len(self.shown) == self.count
+
+
+def decode_waiting(row: np.ndarray) -> Waiting | None:
+    """Where the rank of `row` is stuck, if `row` is an abandon record."""
+    if int(row[_KIND]) != KIND_CODES[ABANDONED_KIND]:
+        return None
+    count = int(row[_NDIM])
+    shown = tuple(int(v) for v in row[_DIMS : _DIMS + min(count, MAX_DIMS)])
+    return Waiting(shown, count, int(row[_EXTRA]), int(row[_ROOT]), bool(row[_OP]),
+                   KIND_NAMES.get(int(row[_PER_RANK]), "a collective"))
+
+
 def agreement_hash(encoded: np.ndarray) -> int:
     """The hash of the fields every rank must agree on (all but the per-rank value)."""
     return hash(tuple(int(v) for i, v in enumerate(encoded) if i != _PER_RANK)) & _MASK
@@ -196,6 +257,29 @@ _FIELD_SLICES = {
 }
 
 
+def _groups_line(rows: Sequence[np.ndarray], members: Sequence[int]) -> str:
+    """Describe ranks that are in a collective on another group (their abandon records)."""
+    code = KIND_CODES[ABANDONED_KIND]
+    away = [(m, row) for m, row in zip(members, rows) if int(row[_KIND]) == code]
+    here = [(m, row) for m, row in zip(members, rows) if int(row[_KIND]) != code]
+    m, row = away[0]
+    waiting = decode_waiting(row)
+    assert waiting is not None
+    where = str(list(waiting.shown))
+    if not waiting.complete:
+        where = f"{where[:-1]}, ...] ({waiting.count} ranks)"
+    doing = waiting.doing
+    group = list(members)
+    if here:
+        kinds = sorted({KIND_NAMES.get(int(r[_KIND]), "a collective") for _, r in here})
+        return (
+            f"Mismatched groups: ranks {[h for h, _ in here]} called {' / '.join(kinds)} on group {group}, "
+            f"but rank {m} is in {doing} on group {where} (and waits there for them); every member of a "
+            "group must call its collectives in the same order"
+        )
+    return f"Mismatched groups: rank {m} is in {doing} on group {where} instead of a collective on group {group}"
+
+
 def mismatch_error(
     records: np.ndarray,
     members: Sequence[int],
@@ -209,6 +293,9 @@ def mismatch_error(
         notes: extra lines (e.g. what an abandoning rank was doing instead).
     """
     rows = [np.asarray(r) for r in records]
+    abandoned = [m for m, row in zip(members, rows) if int(row[_KIND]) == KIND_CODES[ABANDONED_KIND]]
+    if abandoned:
+        return CollectiveMismatchError("\n".join([_groups_line(rows, members), *notes]))
     first_name = KIND_NAMES.get(int(rows[0][_KIND]), "collective")
     lines: list[str] = []
     for field, plural, describe in _FIELDS:

@@ -234,7 +234,7 @@ def check_record(ctx: DistributedContext, group: Group, record: Record) -> Recor
 def run_barrier(ctx: DistributedContext, devices: DevicesArg) -> None:
     """Run a barrier on the group `devices` names and wait for it."""
     ctx._ensure_usable()
-    group = ctx._group(devices)
+    group = ctx._group(devices, "barrier")
     record = check_record(ctx, group, Record("barrier", None, None, None, -1, group.members))
     op = Op("barrier", group, 0, post=lambda: [group.comm.Ibarrier()], record=record)
     # A barrier blocks anyway: its whole wait, check included, counts against the timeout.

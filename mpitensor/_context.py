@@ -18,6 +18,7 @@ from typing import Any
 from . import _failfast, _mpi, _state
 from ._config import DistributedConfig
 from ._device import Device, choose_device, local_rank_from_env
+from ._diagnosis import Diagnosis
 from ._engine import Engine, Group
 from ._errors import ContextBrokenError, ContextClosedError, DeviceError
 from ._mpi import MPI
@@ -115,13 +116,13 @@ class DistributedContext:
         self._cpu_device = self._device if device.kind == "cpu" else Device("cpu", 0, world_rank)
         self._diag_comm = comm.Dup()
         full = tuple(range(self._size))
-        self._full = Group(full, comm.Dup(), comm.Dup())
+        self._full = Group(full, comm.Dup(), comm.Dup(), comm.Dup())
         self._groups[full] = self._full
         # Point-to-point messages travel apart from collectives and never queue behind them.
         self._p2p = Group(full, comm.Dup(), MPI.COMM_NULL)
         self._engine = Engine(self)
         self._pool = _host_pool
-        self._diagnosis: Any = None
+        self._diagnosis = Diagnosis(self) if config.check and self._size > 1 else None
         _state.push(self)
         if config.fail_fast:
             _failfast.arm()
@@ -269,6 +270,8 @@ class DistributedContext:
         MPI.COMM_WORLD.Abort(errorcode)
 
     def _free(self) -> None:
+        if self._diagnosis is not None:
+            self._diagnosis.free()
         self._p2p.free()
         for group in self._groups.values():
             group.free()
@@ -298,8 +301,10 @@ class DistributedContext:
 
     # -- groups -------------------------------------------------------------------------------
 
-    def _group(self, devices: DevicesArg) -> Group:
+    def _group(self, devices: DevicesArg, doing: str = "a collective") -> Group:
         """The group `devices` name (the whole context when None), created on first use.
+
+        `doing` names the calling operation, for the group-mismatch diagnosis.
 
         Raises:
             TypeError: `devices` is not a sequence of Devices or ints.
@@ -311,7 +316,7 @@ class DistributedContext:
         members = self._members(devices)
         group = self._groups.get(members)
         if group is None:
-            group = self._create_group(members)
+            group = self._create_group(members, doing)
         return group
 
     def _members(self, devices: DevicesArg) -> tuple[int, ...]:
@@ -354,15 +359,15 @@ class DistributedContext:
             f"{', '.join(str(d) for d in self._devices)}); pass devices from ctx.devices"
         )
 
-    def _create_group(self, members: tuple[int, ...]) -> Group:
+    def _create_group(self, members: tuple[int, ...], doing: str) -> Group:
         if self._diagnosis is not None:
-            self._diagnosis.before_create(members)
+            self._diagnosis.before_create(members, doing)
         mpi_group = self._comm.Get_group().Incl(list(members))
         try:
             comm = self._comm.Create_group(mpi_group, _tag_for(members))
         finally:
             mpi_group.Free()
-        group = Group(members, comm, comm.Dup())
+        group = Group(members, comm, comm.Dup(), comm.Dup())
         self._groups[members] = group
         return group
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ._check import ABANDON, RECORD_LEN, Record, agreement_hash, mismatch_error
+from ._check import ABANDON, ABANDONED_KIND, RECORD_LEN, Record, agreement_hash, decode_waiting, mismatch_error
 from ._errors import CollectiveTimeoutError, ContextBrokenError
 from ._mpi import MPI
 
@@ -55,14 +55,18 @@ class Group:
         members: the members' context ranks, sorted.
         comm: the communicator data travels on.
         check_comm: the communicator checks travel on (a duplicate of `comm`).
+        detail_comm: the communicator that gathers the full records of a failed check
+            (another duplicate, so that those gathers, posted only on a mismatch, never
+            interleave with the checks of later calls).
     """
 
-    __slots__ = ("check_comm", "check_seq", "comm", "extra", "members", "queue", "rank", "size")
+    __slots__ = ("check_comm", "check_seq", "comm", "detail_comm", "extra", "members", "queue", "rank", "size")
 
-    def __init__(self, members: tuple[int, ...], comm: Any, check_comm: Any) -> None:
+    def __init__(self, members: tuple[int, ...], comm: Any, check_comm: Any, detail_comm: Any = None) -> None:
         self.members = members
         self.comm = comm
         self.check_comm = check_comm
+        self.detail_comm = detail_comm if detail_comm is not None else MPI.COMM_NULL
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.queue: deque[Op] = deque()
@@ -80,7 +84,7 @@ class Group:
             if free is not None:
                 free()
         self.extra.clear()
-        for name in ("check_comm", "comm"):
+        for name in ("detail_comm", "check_comm", "comm"):
             comm = getattr(self, name)
             if comm is not None and comm != MPI.COMM_NULL:
                 comm.Free()
@@ -251,7 +255,7 @@ class Engine:
             op.check_req = group.check_comm.Iallgather(op.check_send, op.check_recv)
             op.check_stage = 2
         else:
-            value = agreement_hash(encoded)
+            value = ABANDON if op.record.kind == ABANDONED_KIND else agreement_hash(encoded)
             op.check_send = np.array([value, -value], np.int64)
             op.check_recv = np.empty(2, np.int64)
             op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
@@ -274,7 +278,7 @@ class Engine:
             encoded = op.keep[-1]
             op.check_send = encoded
             op.check_recv = np.empty((group.size, RECORD_LEN), np.int64)
-            op.check_req = group.check_comm.Iallgather(op.check_send, op.check_recv)
+            op.check_req = group.detail_comm.Iallgather(op.check_send, op.check_recv)
             op.check_stage = 3
             return False
         rows = op.check_recv
@@ -286,7 +290,21 @@ class Engine:
             return True
         op.error = mismatch_error(rows, group.members)
         self._fail(op)
+        self._answer_abandoners(op, rows)
         return True
+
+    def _answer_abandoners(self, op: Op, rows: np.ndarray) -> None:
+        """Members that abandoned this check are stuck elsewhere waiting for this rank."""
+        diagnosis = self.ctx._diagnosis
+        if diagnosis is None or op.record is None or op.record.kind == ABANDONED_KIND:
+            return
+        from ._diagnosis import Wait
+
+        mine = Wait(op.group.members, op.seq, False, op.name)
+        for member, row in zip(op.group.members, rows):
+            waiting = decode_waiting(row)
+            if waiting is not None:
+                diagnosis.answer(member, waiting, mine)
 
     def _check_passed(self, op: Op) -> None:
         op.state = QUEUED
@@ -321,7 +339,11 @@ class Engine:
             self._complete(op)
 
     def _pump(self, group: Group) -> None:
-        """Post the data of the ops at the head of `group`'s queue that may go."""
+        """Post the data of the ops at the head of `group`'s queue that may go.
+
+        Checks are examined strictly in call order: a failed check posts a gather of the
+        full records, and every member must post those gathers in the same order.
+        """
         queue = group.queue
         while queue:
             head = queue[0]
@@ -330,10 +352,6 @@ class Engine:
             queue.popleft()
             if head.state == QUEUED:
                 self._post_data(head)
-        # Checks behind the head progress too, so their results are ready in turn.
-        for op in list(queue)[1:]:
-            if op.state == CHECKING:
-                self._advance_check(op)
         if not queue:
             self.waiting_groups.discard(group)
 
@@ -373,6 +391,19 @@ class Engine:
         for protection in protections:
             protection.release()
         op.keep = ()
+
+    def post_abandon(self, group: Group, record: Record) -> None:
+        """Post a check that stands in for a collective this rank will never call.
+
+        The diagnosis uses it when a peer waits on `group` for this rank, which waits for
+        that peer elsewhere: the check completes as a mismatch on every member, and the
+        group's sequence of checks stays aligned.
+        """
+        op = Op("abandoned", group, 0, lambda: [], record=record)
+        with self.lock:
+            self._post_check(op)
+            group.queue.append(op)
+            self.waiting_groups.add(group)
 
     def protect_outputs(self, op: Op, value: Any) -> None:
         """Make `value`'s tensors refuse writes until `op` completes (for assume_resolved)."""

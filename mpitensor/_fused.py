@@ -117,7 +117,7 @@ def fused_all_reduce(
         TypeError: a leaf is not a tensor/array, or a CUDA tensor.
     """
     reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
-    group = ctx._group(devices)
+    group = ctx._group(devices, kind)
     keys, values = _flatten(structure)
     inputs = [take_input(v, ctx, "all_reduce", f"every tensor of the {type(structure).__name__}") for v in values]
     if any(item.on_gpu for item in inputs):

@@ -74,7 +74,7 @@ class GradientSync:
             shape, dtype = _spec(name, value)
             specs[name] = (shape, transfer_dtype(dtype))
         self._specs = specs
-        self._group = self._ctx._group(devices)
+        self._group = self._ctx._group(devices, "gradient sync")
         self._bucket_bytes = bucket_bytes or self._ctx.config.bucket_bytes
         order = list(reversed(specs))  # backward produces the last layer's gradients first
         plans = [reduce_plan(self._op, specs[name][1]) for name in order]

@@ -54,7 +54,7 @@ def reduce(
     ctx = context_for("reduce")
     reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
     source = take_input(input, ctx, "reduce")
-    group = ctx._group(devices)
+    group = ctx._group(devices, "reduce")
     root_at = root_rank(ctx, root)
     if source.on_gpu:
         from ._gpu_path import gpu_reduce

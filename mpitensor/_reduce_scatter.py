@@ -69,7 +69,7 @@ def reduce_scatter(
     ctx = context_for("reduce_scatter")
     reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
     source = take_input(input, ctx, "reduce_scatter")
-    group = ctx._group(devices)
+    group = ctx._group(devices, "reduce_scatter")
     if source.on_gpu:
         from ._gpu_path import gpu_reduce_scatter
 
