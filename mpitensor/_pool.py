@@ -9,6 +9,7 @@ reference is gone, so a result the user keeps is never reused behind their back.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -19,19 +20,19 @@ __all__ = ["HostPool"]
 
 
 class _Lease:
-    """The owner of one pooled block while it is out; arrays made from it refer to it."""
+    """The owner of one pooled block while it is out; arrays made from it refer to it.
+
+    Its ``__array_interface__`` describes the array handed out (shape and dtype), so one
+    ``numpy.asarray`` builds it; NumPy makes the lease the base of that array and of every
+    view of it, so the block comes back only when the last of them is gone.
+    """
 
     __slots__ = ("__array_interface__", "_block", "_pool")
 
-    def __init__(self, pool: HostPool, block: np.ndarray, nbytes: int) -> None:
+    def __init__(self, pool: HostPool, block: tuple[np.ndarray, int], interface: dict[str, Any]) -> None:
         self._pool = pool
         self._block = block
-        self.__array_interface__ = {
-            "data": (block.ctypes.data, False),
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
+        self.__array_interface__ = interface
 
     def __del__(self) -> None:
         pool = self._pool
@@ -51,7 +52,8 @@ class HostPool:
     def __init__(self, min_bytes: int = 64 << 10, max_cached_bytes: int = 512 << 20) -> None:
         self.min_bytes = min_bytes
         self.max_cached_bytes = max_cached_bytes
-        self._free: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+        # size -> free blocks, each (array, its address)
+        self._free: OrderedDict[int, list[tuple[np.ndarray, int]]] = OrderedDict()
         self._cached = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -59,7 +61,9 @@ class HostPool:
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An uninitialized array of `shape` and `dtype`, from the pool when large enough."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        # math.prod, not numpy.prod: this runs on every collective, and numpy.prod of a
+        # tuple costs about 2 us.
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.min_bytes:
             return np.empty(shape, dtype)
         with self._lock:
@@ -72,12 +76,20 @@ class HostPool:
                 block = None
                 self.misses += 1
         if block is None:
-            block = np.empty(nbytes, np.uint8)
-        raw: np.ndarray = np.asarray(_Lease(self, block, nbytes))
+            array = np.empty(nbytes, np.uint8)
+            block = (array, array.ctypes.data)
+        address = block[1]
+        if dtype.kind in "biufc":
+            # Plain numbers: one array-interface read builds the final array.
+            interface = {"data": (address, False), "shape": tuple(shape), "typestr": dtype.str, "version": 3}
+            return np.asarray(_Lease(self, block, interface))
+        # Other dtypes (bfloat16, ...) have no faithful typestr: hand out bytes and view them.
+        interface = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+        raw: np.ndarray = np.asarray(_Lease(self, block, interface))
         return raw.view(dtype).reshape(shape)
 
-    def _give_back(self, block: np.ndarray) -> None:
-        nbytes = block.nbytes
+    def _give_back(self, block: tuple[np.ndarray, int]) -> None:
+        nbytes = block[0].nbytes
         with self._lock:
             if nbytes > self.max_cached_bytes:
                 return
