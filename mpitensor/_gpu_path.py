@@ -59,15 +59,25 @@ if TYPE_CHECKING:
 __all__ = [
     "GpuCall",
     "Staged",
+    "StagedCollective",
     "copy_stream",
     "cuda_awareness",
     "cuda_result_device",
     "data_path",
     "data_path_name",
     "device_buffers_ok",
+    "gpu_all_gather",
     "gpu_all_reduce",
+    "gpu_all_to_all",
+    "gpu_broadcast",
     "gpu_call",
+    "gpu_fused_all_reduce",
+    "gpu_recv",
+    "gpu_reduce",
+    "gpu_reduce_scatter",
+    "gpu_send",
     "host_empty",
+    "stage_now",
 ]
 
 # -- which path -----------------------------------------------------------------------------
@@ -319,13 +329,13 @@ def gpu_call(array: Any) -> GpuCall:
     """Capture the GPU side of a collective called now on `array`.
 
     Args:
-        array: a CuPy array; its device is the call's device.
+        array: a CuPy array (its device is the call's device), or a device number.
 
     Returns:
         The call, with the stream current on that device in this thread.
     """
     cupy = require_cupy()
-    device = int(array.device.id)
+    device = array if isinstance(array, int) else int(array.device.id)
     return GpuCall(device, cupy.cuda.get_current_stream(device), copy_stream(device))
 
 
@@ -463,3 +473,287 @@ def _reduce_staged_shared(call: GpuCall, fast: Any, staged: Staged, out: Any, di
         staged.buffer.release()
 
     return post, finish, (staged.buffer, fast.out)
+
+
+# -- the other collectives: through their host implementations --------------------------------
+#
+# Until a collective has a GPU path of its own, its CuPy inputs are staged (synchronously),
+# the host implementation runs on the pinned copies, and `resolve()` copies the results to
+# the GPU, ordered on the caller's stream. Every rank then runs the host algorithm, whatever
+# its inputs, so ranks with host and GPU inputs always agree.
+
+
+def stage_now(call: GpuCall, array: Any) -> np.ndarray:
+    """Copy a C-contiguous device array to a pooled pinned host array and wait for it.
+
+    The copy waits for the work queued on the caller's stream so far. The pinned block
+    goes back to the pool when the returned array (and every view of it) is gone.
+
+    Args:
+        call: the call (`gpu_call`).
+        array: the device array.
+
+    Returns:
+        The host copy.
+    """
+    return call.stage(array, after=call.mark()).wait()
+
+
+class StagedCollective(CollectiveTensor):
+    """A host collective on staged copies of GPU inputs; `resolve()` gives GPU results.
+
+    Args:
+        inner: the host collective's handle.
+        call: the GPU side of the call (device and caller's stream).
+        device: the device the results go to.
+        on_gpu: which leaves of the result go to the GPU (None: all of them).
+    """
+
+    __slots__ = ("_call", "_converted", "_device", "_inner", "_on_gpu")
+
+    def __init__(
+        self, inner: CollectiveTensor, call: GpuCall, device: Device, on_gpu: list[bool] | None = None
+    ) -> None:
+        super().__init__(inner._op, None, inner._ctx)
+        self._inner = inner
+        self._call = call
+        self._device = device
+        self._on_gpu = on_gpu
+        self._converted: list[Any] = []
+
+    def resolve(self, timeout: float | None = None) -> Any:
+        """Wait for the collective and return its result on the GPU (the same object again).
+
+        Args:
+            timeout: as for `CollectiveTensor.resolve`.
+
+        Raises:
+            As `CollectiveTensor.resolve`.
+        """
+        host = self._inner.resolve(timeout)
+        if not self._converted:
+            self._converted.append(self._to_device(host))
+        self._resolved = True
+        return self._converted[0]
+
+    def assume_resolved(self) -> Any:
+        """The result, only once the collective is complete (it reaches the GPU in `resolve`).
+
+        Raises:
+            NotImplementedError: the collective is still in flight.
+        """
+        if self.test():
+            return self.resolve()
+        raise NotImplementedError(
+            f"assume_resolved() of {self._op.describe()} on CUDA tensors: its result reaches the GPU "
+            "only in resolve(); call resolve()"
+        )
+
+    def _to_device(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            keys = list(value)
+            flags = self._on_gpu or [True] * len(keys)
+            return {k: self._leaf(value[k], flag) for k, flag in zip(keys, flags)}
+        if isinstance(value, (list, tuple)):
+            flags = self._on_gpu or [True] * len(value)
+            return type(value)(self._leaf(v, flag) for v, flag in zip(value, flags))
+        return self._leaf(value, True)
+
+    def _leaf(self, value: Any, to_gpu: bool) -> Any:
+        if not to_gpu or not isinstance(value, Tensor):
+            return value
+        call = self._call
+        with call.scope(), call.stream:
+            # On the caller's stream: later work there sees it; the host source may be
+            # reused as soon as this returns (CUDA takes pageable data at once).
+            array = call.cupy.asarray(value.array)
+        return Tensor(array, self._device)
+
+
+def _members(ctx: DistributedContext, group: Group) -> Any:
+    """The `devices` argument naming `group` (None for the whole context)."""
+    return None if group.size == ctx.size else [ctx.devices[m] for m in group.members]
+
+
+def _staged_input(ctx: DistributedContext, source: Input) -> tuple[GpuCall, np.ndarray, Device]:
+    call = gpu_call(source.buffer)
+    return call, stage_now(call, source.buffer), cuda_result_device(ctx, source, call.device)
+
+
+def gpu_broadcast(ctx: DistributedContext, source: Input, group: Group, root_at: int) -> CollectiveTensor:
+    """`broadcast` of a CuPy input (the root's tensor, or a template), through host memory.
+
+    Args:
+        ctx: the context.
+        source: the checked input (the root's tensor, or a template elsewhere).
+        group: the group.
+        root_at: the root's rank in the context.
+
+    Returns:
+        The handle; `resolve()` gives the tensor on the input's GPU.
+    """
+    from ._broadcast import broadcast
+
+    call, host, device = _staged_input(ctx, source)
+    return StagedCollective(broadcast(host, root=root_at, devices=_members(ctx, group)), call, device)
+
+
+def gpu_reduce(
+    ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, group: Group, root_at: int
+) -> CollectiveTensor:
+    """`reduce` of a CuPy input through host memory (None on ranks other than the root).
+
+    Args:
+        ctx: the context.
+        source: the checked input.
+        reduce_op: the reduction.
+        group: the group.
+        root_at: the root's rank in the context.
+
+    Returns:
+        The handle; `resolve()` gives the result on the root's GPU, None elsewhere.
+    """
+    from ._reduce import reduce
+
+    call, host, device = _staged_input(ctx, source)
+    return StagedCollective(reduce(host, reduce_op, root=root_at, devices=_members(ctx, group)), call, device)
+
+
+def gpu_all_gather(ctx: DistributedContext, source: Input, group: Group, axis: int) -> CollectiveTensor:
+    """`all_gather` of a CuPy input through host memory.
+
+    Args:
+        ctx: the context.
+        source: the checked input.
+        group: the group.
+        axis: the axis to concatenate along.
+
+    Returns:
+        The handle; `resolve()` gives the gathered tensor on the input's GPU.
+    """
+    from ._all_gather import all_gather
+
+    call, host, device = _staged_input(ctx, source)
+    return StagedCollective(all_gather(host, axis=axis, devices=_members(ctx, group)), call, device)
+
+
+def gpu_reduce_scatter(
+    ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, group: Group
+) -> CollectiveTensor:
+    """`reduce_scatter` of a CuPy input through host memory.
+
+    Args:
+        ctx: the context.
+        source: the checked input.
+        reduce_op: the reduction.
+        group: the group.
+
+    Returns:
+        The handle; `resolve()` gives this rank's block on the input's GPU.
+    """
+    from ._reduce_scatter import reduce_scatter
+
+    call, host, device = _staged_input(ctx, source)
+    return StagedCollective(reduce_scatter(host, reduce_op, devices=_members(ctx, group)), call, device)
+
+
+def gpu_all_to_all(ctx: DistributedContext, source: Input, group: Group) -> CollectiveTensor:
+    """`all_to_all` of a CuPy input through host memory.
+
+    Args:
+        ctx: the context.
+        source: the checked input.
+        group: the group.
+
+    Returns:
+        The handle; `resolve()` gives the received blocks on the input's GPU.
+    """
+    from ._all_to_all import all_to_all
+
+    call, host, device = _staged_input(ctx, source)
+    return StagedCollective(all_to_all(host, devices=_members(ctx, group)), call, device)
+
+
+def gpu_send(ctx: DistributedContext, source: Input, peer: int, tag: int) -> CollectiveTensor:
+    """`send` of a CuPy tensor through host memory (the copy is taken at the call).
+
+    Args:
+        ctx: the context.
+        source: the checked input.
+        peer: the receiver's rank in the context.
+        tag: the message tag.
+
+    Returns:
+        The handle; `resolve()` gives None once the send is complete.
+    """
+    from ._p2p import send
+
+    call, host, device = _staged_input(ctx, source)
+    return StagedCollective(send(host, peer, tag=tag), call, device)
+
+
+def gpu_recv(ctx: DistributedContext, peer: int, tag: int, expect: tuple[tuple[int, ...], Any]) -> CollectiveTensor:
+    """`recv` into a fresh tensor on this rank's GPU (the template was a CUDA tensor).
+
+    Args:
+        ctx: the context.
+        peer: the sender's rank in the context.
+        tag: the message tag.
+        expect: the template's shape and dtype.
+
+    Returns:
+        The handle; `resolve()` gives the received tensor on the GPU.
+    """
+    from ._p2p import recv
+
+    cupy = require_cupy()
+    index = ctx.device.index if ctx.device.kind == "cuda" else int(cupy.cuda.runtime.getDevice())
+    call = gpu_call(index)
+    shape, dtype = expect
+    inner = recv(None, peer, shape=shape, dtype=dtype, tag=tag)
+    return StagedCollective(inner, call, Device("cuda", index, ctx.device.rank))
+
+
+def gpu_fused_all_reduce(
+    ctx: DistributedContext,
+    structure: Any,
+    reduce_op: ReduceOperation,
+    devices: Any,
+    *,
+    bucket_bytes: int | None = None,
+    kind: str = "fused all_reduce",
+) -> CollectiveTensor:
+    """The fused all-reduce of a structure with CuPy leaves, through host memory.
+
+    GPU leaves are staged, the host fused all-reduce runs on the whole structure, and the
+    results of GPU leaves go back to the GPU (host leaves stay on the host).
+
+    Args:
+        ctx: the context.
+        structure: a list, tuple or dict of tensors, some of them CUDA tensors.
+        reduce_op: the reduction.
+        devices: the group, as given to `all_reduce`.
+        bucket_bytes: the bucket size; None for the context's.
+        kind: the operation's name in messages and in the check.
+
+    Returns:
+        The handle; `resolve()` gives the same structure of results.
+    """
+    from ._collective import take_input
+    from ._fused import fused_all_reduce
+
+    keys = list(structure) if isinstance(structure, dict) else list(range(len(structure)))
+    values = [structure[k] for k in keys]
+    inputs = [take_input(v, ctx, kind) for v in values]
+    gpu = [item for item in inputs if item.on_gpu]
+    call = gpu_call(gpu[0].buffer)
+    device = cuda_result_device(ctx, gpu[0], call.device)
+    ready = call.mark()
+    staged = [call.stage(item.buffer, after=ready) if item.on_gpu else None for item in inputs]
+    hosts = [s.wait() if s is not None else item.buffer for s, item in zip(staged, inputs)]
+    if isinstance(structure, dict):
+        host_structure: Any = dict(zip(keys, hosts))
+    else:
+        host_structure = type(structure)(hosts)
+    inner = fused_all_reduce(ctx, host_structure, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
+    return StagedCollective(inner, call, device, [item.on_gpu for item in inputs])
