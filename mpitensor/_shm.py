@@ -26,9 +26,10 @@ may block until its peers arrive (they may be waiting on it elsewhere). A block 
 mapping. Nothing is ever created collectively, so nothing can hang, and a rank never waits
 for its peers to agree on a size.
 
-Ordering between ranks uses non-blocking collectives on the group's own duplicate
-communicator (``MPI_Comm_idup``, issued by the first such operation in the group's data
-order), tested from `advance()`:
+Ordering between ranks. The first operation of a group (and every operation of the
+hierarchical scheme) uses non-blocking collectives on the group's own duplicate communicator
+(``MPI_Comm_idup``, issued by that first operation in the group's data order), tested from
+`advance()`:
 
 - an all-gather of each rank's block descriptors, posted after its copy-in (nobody reads a
   slot before it is written);
@@ -38,14 +39,25 @@ order), tested from `advance()`:
   then runs a plain ``MPI_Iallreduce`` for that operation, and the group stops using the
   fast path (every rank decides this from the same values).
 
+Once that first operation has mapped every rank's small *control* block, later operations of
+a group whose ranks share one node synchronize through it instead, which costs a few memory
+reads rather than two MPI round trips: each rank writes its descriptor and then its
+sequence number (the same two steps), and polls its peers' from `advance()`. That relies on
+stores becoming visible in program order and loads not passing loads (x86's memory model;
+NumPy's large copies end with a store fence), so other architectures keep the MPI
+collectives.
+
 Operations of one group run one at a time in the group's data order, so the collectives on
-the duplicate communicator are posted in the same order on every rank.
+the duplicate communicator are posted, and the sequence numbers counted, in the same order
+on every rank.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
+import platform
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -85,9 +97,18 @@ _UFUNCS: list[tuple[Any, Any]] = [
     (MPI.LAND, np.logical_and),
 ]
 
-# The descriptor each rank publishes per operation (int64 fields).
-_OK, _PID, _SLOT_ID, _SLOT_FD, _SLOT_INO, _SLOT_LEN, _RES_ID, _RES_FD, _RES_INO, _RES_LEN = range(10)
-_INFO_LEN = 10
+# The descriptor each rank publishes per operation (int64 fields): its blocks, each as
+# (id, fd, inode, length) starting at the field named.
+_OK, _PID, _SLOT_ID, _RES_ID, _CTL_ID = 0, 1, 2, 6, 10
+_INFO_LEN = 14
+# The control block (int64 fields): sequence number of the last operation whose input this
+# rank has published, of the last one whose reduction it has done, whether that went well,
+# and the published descriptor.
+_C_ARRIVE, _C_DONE, _C_DONE_OK, _C_INFO = 0, 1, 2, 8
+_CONTROL_BYTES = _PAGE
+# Stores become visible in program order and loads do not pass loads (x86-TSO): polling a
+# peer's sequence number then reading what it wrote before it is safe without fences.
+_ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 class SharedMemoryPost(NamedTuple):
@@ -220,11 +241,10 @@ def shared_memory_post(
     ufunc = _ufunc_for(plan.mpi_op)
     if ufunc is None:
         return None
-    layout = state.layout
     out, block = state.lease_result(send.shape, send.dtype, ctx)
 
     def post() -> Stepper:
-        stepper = _AllReduce(state, layout, send, out, block, ufunc, plan)
+        stepper = _AllReduce(state, send, out, block, ufunc, plan)
         state.enqueue(stepper)
         stepper.advance()
         return stepper
@@ -238,7 +258,7 @@ def shared_memory_post(
 class _Block:
     """One ``memfd`` of this rank, mapped; peers map it by (pid, fd) and check the inode."""
 
-    __slots__ = ("fd", "id", "ino", "mem", "nbytes")
+    __slots__ = ("address", "fd", "id", "ino", "mem", "nbytes")
 
     def __init__(self, block_id: int, nbytes: int) -> None:
         fd = os.memfd_create(f"mpitensor-{block_id}", os.MFD_CLOEXEC)
@@ -248,10 +268,15 @@ class _Block:
         except BaseException:
             os.close(fd)
             raise
+        self.address = self.mem.ctypes.data
         self.fd = fd
         self.id = block_id
         self.ino = os.fstat(fd).st_ino
         self.nbytes = nbytes
+
+    def describe(self) -> tuple[int, int, int, int]:
+        """(id, fd, inode, length): what a peer needs to map it."""
+        return self.id, self.fd, self.ino, self.nbytes
 
     def close(self) -> None:
         """Close the descriptor; the memory stays mapped while arrays refer to it."""
@@ -261,17 +286,20 @@ class _Block:
 
 
 class _Lease:
-    """Owns a result block while the caller holds the result; gives it back when dropped."""
+    """Owns a result block while the caller holds the result; gives it back when dropped.
+
+    NumPy makes it the base of the result and of every view of it (see `_pool.py`).
+    """
 
     __slots__ = ("__array_interface__", "_arena", "_block")
 
-    def __init__(self, arena: _Arena, block: _Block, nbytes: int) -> None:
+    def __init__(self, arena: _Arena, block: _Block, shape: tuple[int, ...], dtype: np.dtype) -> None:
         self._arena = arena
         self._block = block
         self.__array_interface__ = {
-            "data": (block.mem.ctypes.data, False),
-            "shape": (nbytes,),
-            "typestr": "|u1",
+            "data": (block.address, False),
+            "shape": shape,
+            "typestr": dtype.str,
             "version": 3,
         }
 
@@ -356,30 +384,50 @@ class _GroupState:
         self.group = group
         self.layout = layout
         self.applies = group.size > 1 and any(len(node) > 1 for node in layout) and hasattr(os, "memfd_create")
-        self.peer_bytes = 0
+        rank = group.rank
+        self.node = next((node for node in layout if rank in node), (rank,))
+        self.local_rank = self.node.index(rank)
+        self.leaders = tuple(node[0] for node in layout)
+        self.flat = len(layout) == 1
         self.arena = _Arena()
         self.comm: Any = None
         self.dup_request: Any = None
         self.active: deque[_AllReduce] = deque()
+        self.seq = 0  # operations that have taken their turn
         self.disabled = False
         self.failed_local = False
         self.peer_maps: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self.peer_bytes = 0
         self.pid = os.getpid()
+        self.control: _Block | None = None
+        self.own_control: np.ndarray | None = None
+        self.peer_controls: list[np.ndarray] = []  # the node peers', in rank order
+        self.flags = False  # synchronize through the control blocks
 
     def lease_result(
         self, shape: tuple[int, ...], dtype: np.dtype, ctx: DistributedContext
     ) -> tuple[np.ndarray, _Block | None]:
         """The result array of a new operation, in shared memory when possible."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if not self.failed_local:
             try:
-                block = self.arena.take(nbytes)
+                block = self.arena.take(math.prod(shape) * dtype.itemsize)
             except OSError:
                 self.failed_local = True
             else:
-                raw: np.ndarray = np.asarray(_Lease(self.arena, block, nbytes))
-                return raw.view(dtype).reshape(shape), block
+                return np.asarray(_Lease(self.arena, block, tuple(shape), dtype)), block
         return ctx._pool.empty(shape, dtype), None
+
+    def control_block(self) -> _Block | None:
+        """This rank's control block (created on first use), or None without memory."""
+        if self.control is None and not self.failed_local:
+            try:
+                self.control = _Block(0, _CONTROL_BYTES)
+            except OSError:
+                self.failed_local = True
+                return None
+            self.own_control = self.control.mem.view(np.int64)
+            self.own_control[:] = 0
+        return self.control
 
     def enqueue(self, op: _AllReduce) -> None:
         """Queue `op` behind the group's operations in flight (started in data order)."""
@@ -407,25 +455,28 @@ class _GroupState:
         Raises:
             OSError: the block cannot be opened or is not the one named.
         """
-        block_id, fd, ino, nbytes = (int(v) for v in info[which : which + 4])
-        key = (group_rank, block_id)
+        key = (group_rank, int(info[which]))
         mem = self.peer_maps.get(key)
         if mem is not None:
             self.peer_maps.move_to_end(key)
             return mem
-        path = f"/proc/{int(info[_PID])}/fd/{fd}"
-        handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            if os.fstat(handle).st_ino != ino:
-                raise OSError(f"{path} is not the shared block rank {group_rank} named")
-            mem = np.frombuffer(mmap.mmap(handle, nbytes), np.uint8)
-        finally:
-            os.close(handle)
+        mem = _map_peer(group_rank, info, which)
         self.peer_maps[key] = mem
         self.peer_bytes += mem.nbytes
         while self.peer_bytes > _MAX_PEER_MAP_BYTES and len(self.peer_maps) > 1:
             self.peer_bytes -= self.peer_maps.popitem(last=False)[1].nbytes
         return mem
+
+    def map_controls(self, infos: np.ndarray) -> None:
+        """Map the node peers' control blocks (once).
+
+        Raises:
+            OSError: a control block cannot be opened.
+        """
+        if not self.peer_controls:
+            self.peer_controls = [
+                _map_peer(r, infos[r], _CTL_ID).view(np.int64) for r in self.node if r != self.group.rank
+            ]
 
     def free(self) -> None:
         """Free the communicator and drop the blocks (called when the context closes)."""
@@ -434,7 +485,28 @@ class _GroupState:
             comm.Free()
         self.peer_maps.clear()
         self.peer_bytes = 0
+        self.peer_controls = []
         self.arena.close()
+        control, self.control = self.control, None
+        if control is not None:
+            control.close()
+
+
+def _map_peer(group_rank: int, info: np.ndarray, which: int) -> np.ndarray:
+    """Map the block a peer's descriptor names (its pid, then (id, fd, inode, length)).
+
+    Raises:
+        OSError: it cannot be opened, or the file there is not the block named.
+    """
+    fd, ino, nbytes = (int(v) for v in info[which + 1 : which + 4])
+    path = f"/proc/{int(info[_PID])}/fd/{fd}"
+    handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.fstat(handle).st_ino != ino:
+            raise OSError(f"{path} is not the shared block rank {group_rank} named")
+        return np.frombuffer(mmap.mmap(handle, nbytes), np.uint8)
+    finally:
+        os.close(handle)
 
 
 # -- the operation --------------------------------------------------------------------------
@@ -457,13 +529,31 @@ def _bounds(count: int, parts: int, index: int) -> tuple[int, int]:
     return count * index // parts, count * (index + 1) // parts
 
 
+class _FlagWait:
+    """A wait on the node peers' control blocks: complete once each shows `seq` at `field`.
+
+    It quacks like an MPI request (``Test()``), so `_AllReduce.advance` waits on either.
+    """
+
+    __slots__ = ("controls", "field", "seq")
+
+    def __init__(self, controls: list[np.ndarray], field: int, seq: int) -> None:
+        self.controls = controls
+        self.field = field
+        self.seq = seq
+
+    def Test(self) -> bool:  # noqa: N802 - the name of MPI.Request.Test
+        """True once every peer has reached the sequence number."""
+        field, seq = self.field, self.seq
+        return all(control[field] >= seq for control in self.controls)
+
+
 class _AllReduce:
     """One shared-memory all-reduce, moved along by `advance()` (a `Stepper`)."""
 
     def __init__(
         self,
         state: _GroupState,
-        layout: tuple[tuple[int, ...], ...],
         send: np.ndarray,
         out: np.ndarray,
         block: _Block | None,
@@ -484,13 +574,10 @@ class _AllReduce:
         self.flag = np.ones(1, np.int64)
         self.agreed = np.zeros(1, np.int64)
         self.scratch: list[np.ndarray] = []
-        rank = state.group.rank
-        self.rank = rank
-        self.layout = layout
-        self.node = next(node for node in layout if rank in node)
-        self.local_rank = self.node.index(rank)
-        self.leaders = tuple(node[0] for node in layout)
-        self.flat = len(layout) == 1
+        self.seq = 0
+        self.flags = False
+        self.rank = state.group.rank
+        self.node = state.node
 
     # The engine calls this under its lock until it returns True.
     def advance(self) -> bool:
@@ -500,6 +587,8 @@ class _AllReduce:
                 state = self.state
                 if state.active[0] is not self or not state.ready():
                     return False
+                state.seq += 1
+                self.seq = state.seq
                 if state.disabled:
                     self._fall_back()
                 else:
@@ -523,10 +612,17 @@ class _AllReduce:
         if stage == _GATHER:
             self._reduce_locally()
         elif stage == _AGREE:
-            if int(self.agreed[0]) != 1:
+            agreed = int(self.agreed[0])
+            if self.flags:
+                agreed = min([agreed, *(int(c[_C_DONE_OK]) for c in state.peer_controls)])
+            if agreed != 1:
                 state.disabled = True
                 self._fall_back()
-            elif self.flat:
+            elif state.flat:
+                if not self.flags and _ORDERED_STORES and state.peer_controls:
+                    # Every rank mapped every control block (that is what was agreed):
+                    # from the next operation on, all synchronize through them.
+                    state.flags = True
                 self._finish()
             elif self.rank == self.node[0]:
                 self._leaders_scatter()
@@ -560,40 +656,78 @@ class _AllReduce:
                 ok = False
             else:
                 self._copy_in(self.slot)
-                info[_SLOT_ID : _SLOT_LEN + 1] = (self.slot.id, self.slot.fd, self.slot.ino, self.slot.nbytes)
+                info[_SLOT_ID : _SLOT_ID + 4] = self.slot.describe()
         if ok:
             block = self.block
             assert block is not None
-            info[_RES_ID : _RES_LEN + 1] = (block.id, block.fd, block.ino, block.nbytes)
+            info[_RES_ID : _RES_ID + 4] = block.describe()
+            if state.flat and not state.flags:
+                control = state.control_block()
+                if control is not None:
+                    info[_CTL_ID : _CTL_ID + 4] = control.describe()
         info[_OK] = int(ok)
-        self.infos = np.empty((state.group.size, _INFO_LEN), np.int64)
         self.stage = _GATHER
-        self.request = state.comm.Iallgather(info, self.infos)
+        if state.flags:
+            # Descriptor first, then the sequence number that tells peers it is there.
+            self.flags = True
+            control = state.own_control
+            assert control is not None
+            control[_C_INFO : _C_INFO + _INFO_LEN] = info
+            control[_C_ARRIVE] = self.seq
+            self.infos = info
+            self.request = _FlagWait(state.peer_controls, _C_ARRIVE, self.seq)
+        else:
+            self.infos = np.empty((state.group.size, _INFO_LEN), np.int64)
+            self.request = state.comm.Iallgather(info, self.infos)
 
     def _copy_in(self, slot: _Block) -> None:
         """Everything but the slice this rank reduces itself (peers read only theirs)."""
         view = slot.mem[: self.send.nbytes].view(self.send.dtype)
-        low, high = _bounds(self.send.size, len(self.node), self.local_rank)
+        low, high = _bounds(self.send.size, len(self.node), self.state.local_rank)
         np.copyto(view[:low], self.send[:low])
         np.copyto(view[high:], self.send[high:])
+
+    def _gathered(self) -> np.ndarray:
+        """Every rank's descriptor of this operation, one row per group rank."""
+        infos = self.infos
+        assert infos is not None
+        if not self.flags:
+            return infos
+        state = self.state
+        rows = np.empty((state.group.size, _INFO_LEN), np.int64)
+        rows[self.rank] = infos
+        peers = iter(state.peer_controls)
+        for group_rank in self.node:
+            if group_rank != self.rank:
+                rows[group_rank] = next(peers)[_C_INFO : _C_INFO + _INFO_LEN]
+        self.infos = rows
+        return rows
 
     def _reduce_locally(self) -> None:
         """Reduce this rank's slice over its node; post the agreement (stage _AGREE)."""
         state = self.state
-        infos = self.infos
-        assert infos is not None
-        ok = bool(infos[:, _OK].all())
-        if not ok:
+        infos = self._gathered()
+        if not infos[:, _OK].all():
             # Someone has no shared memory: every rank sees it, and all fall back.
             state.disabled = True
             self._fall_back()
             return
         try:
+            if state.flat and not self.flags and infos[:, _CTL_ID + 3].all():
+                state.map_controls(infos)
             self._reduce_slice(infos)
         except (OSError, ValueError):
             self.flag[0] = 0
         self.stage = _AGREE
-        self.request = state.comm.Iallreduce(self.flag, self.agreed, MPI.MIN)
+        if self.flags:
+            control = state.own_control
+            assert control is not None
+            control[_C_DONE_OK] = self.flag[0]
+            control[_C_DONE] = self.seq
+            self.agreed[0] = self.flag[0]
+            self.request = _FlagWait(state.peer_controls, _C_DONE, self.seq)
+        else:
+            self.request = state.comm.Iallreduce(self.flag, self.agreed, MPI.MIN)
 
     def _array(self, mem: np.ndarray) -> np.ndarray:
         return mem[: self.send.nbytes].view(self.send.dtype)
@@ -601,7 +735,7 @@ class _AllReduce:
     def _reduce_slice(self, infos: np.ndarray) -> None:
         state = self.state
         node = self.node
-        low, high = _bounds(self.send.size, len(node), self.local_rank)
+        low, high = _bounds(self.send.size, len(node), state.local_rank)
         sources = []
         for group_rank in node:
             if group_rank == self.rank:
@@ -609,7 +743,7 @@ class _AllReduce:
             else:
                 slot = state.peer_block(group_rank, infos[group_rank], _SLOT_ID)
                 sources.append(self._array(slot)[low:high])
-        if self.flat:
+        if state.flat:
             dests = [self.out[low:high]]
             for group_rank in node:
                 if group_rank != self.rank:
@@ -624,7 +758,7 @@ class _AllReduce:
     def _leaders_scatter(self) -> None:
         """Send each leader its segment of this node's sum; receive this leader's (stage _LEADERS_SCATTER)."""
         comm = self.state.comm
-        leaders = self.leaders
+        leaders = self.state.leaders
         me = leaders.index(self.rank)
         count = self.out.size
         low, high = _bounds(count, len(leaders), me)
@@ -643,7 +777,7 @@ class _AllReduce:
     def _leaders_gather(self) -> None:
         """Reduce this leader's segment in leader order and share it (stage _LEADERS_GATHER)."""
         comm = self.state.comm
-        leaders = self.leaders
+        leaders = self.state.leaders
         me = leaders.index(self.rank)
         count = self.out.size
         low, high = _bounds(count, len(leaders), me)

@@ -215,6 +215,8 @@ def test_results_stay_valid_after_later_calls_and_close():
             kept.append((mt.all_reduce(inputs[ctx.rank]).resolve(), reference(OP.SUM, inputs)))
         for _ in range(10):
             mt.all_reduce(np.full(5000, -1.0)).resolve()
+        # After the first operation, ranks of one node synchronize through shared memory.
+        assert group_state(ctx).flags == _shm._ORDERED_STORES
         for result, expected in kept:
             np.testing.assert_array_equal(np.array(result), expected)
     # The context is closed; the blocks the results live in are still mapped.
