@@ -38,7 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--quick", action="store_true",
                         help="a short sanity run: a few sizes, 3 rounds, short batches")
-    parser.add_argument("-o", "--output", default=None, help="report: write the table here too")
+    parser.add_argument("-o", "--output", default=None, help="report: write the Markdown here too")
+    parser.add_argument("--full", action="store_true",
+                        help="report: every run's machine, tables and plots after the targets")
+    parser.add_argument("--plots", default=None,
+                        help="report: (re)draw each run's plots from its JSON into this folder and link them")
     return parser
 
 
@@ -127,14 +131,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from ._common import write_text
-    from .report import format_targets, load
+    from .report import format_runs, format_targets, load
 
     if not args.files:
         _parser().error("report needs the JSON files of the runs")
-    table = format_targets(load(args.files))
-    print(table, end="")
+    runs = load(args.files)
+    text = format_targets(runs)
+    if args.full or args.plots:
+        text += "\n" + format_runs(runs, args.plots)
+    print(text, end="")
     if args.output:
-        write_text(args.output, table)
+        write_text(args.output, text)
     return 0
 
 

@@ -163,6 +163,7 @@ def machine(comm: Any) -> dict[str, Any]:
         "mpi4py": _mpi_version(),
         "platform": platform.platform(),
         "command": " ".join([os.path.basename(sys.executable), "-m", "mpitensor.bench", *sys.argv[1:]]),
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MPITENSOR_")},
     }
     return info
 

@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from ._common import busbw_factor, format_size, markdown_table
 
-__all__ = ["Target", "evaluate", "format_targets", "load"]
+__all__ = ["Target", "evaluate", "format_runs", "format_targets", "load"]
 
 _KIB = 1 << 10
 _MIB = 1 << 20
@@ -164,3 +165,44 @@ def format_targets(runs: Sequence[dict[str, Any]]) -> str:
             met = {True: "met", False: "**not met**", None: "no data"}[target.met]
             rows.append([target.name, where, value, bound, met, target.detail])
     return markdown_table(["target", "run", "measured", "bound", "", "beside it"], rows) + "\n"
+
+
+def format_runs(runs: Sequence[dict[str, Any]], plots: str | None = None) -> str:
+    """Every run's machine, command and tables (and plots drawn into `plots`), in Markdown.
+
+    Args:
+        runs: the runs' JSON.
+        plots: a folder to draw the plots into (from the JSON) and link; None for no plots.
+    """
+    from .fused import format_fused
+    from .overlap import format_overlap, plot_overlap
+    from .sweep import format_sweep, plot_sweep
+
+    parts = []
+    for run in runs:
+        machine = run.get("machine", {})
+        name = run.get("name", "run")
+        parts.append(f"### {machine.get('mpi', '?')}, {machine.get('ranks', '?')} ranks\n")
+        parts.append(
+            f"{machine.get('cores', '?')} cores ({machine.get('cpu', '?')}), {machine.get('memory_gib', '?')} GiB, "
+            f"hosts {', '.join(machine.get('hosts', []))}; {machine.get('mpi_library', '')}; thread level "
+            f"{machine.get('thread_level', '?')}; Python {machine.get('python', '?')}, NumPy "
+            f"{machine.get('numpy', '?')}, mpi4py {machine.get('mpi4py', '?')}. Run {run.get('started', '?')} to "
+            f"{run.get('finished', '?')}: `mpiexec -n {machine.get('ranks', '?')} {machine.get('command', '')}`.\n"
+        )
+        for kind, formatter, plotter in (
+            ("sweep", format_sweep, plot_sweep),
+            ("overlap", format_overlap, plot_overlap),
+            ("fused", format_fused, None),
+        ):
+            result = run.get(kind)
+            if result is None:
+                continue
+            parts.append(f"#### {kind}\n")
+            parts.append(formatter(result))
+            if plots and plotter is not None:
+                os.makedirs(plots, exist_ok=True)
+                path = os.path.join(plots, f"{name}-{kind}.png")
+                if plotter(result, path):
+                    parts.append(f"![{kind}, {machine.get('mpi', '')}, {machine.get('ranks', '')} ranks]({path})\n")
+    return "\n".join(parts)
