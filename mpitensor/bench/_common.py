@@ -300,4 +300,13 @@ def gbps(bytes_per_second: float | None) -> str:
     return f"{bytes_per_second / 1e9:.2f}"
 
 
-__all__ += ["markdown_table", "median", "ratio", "text_table", "us", "gbps"]
+def size_axis(axis: Any, sizes: Sequence[int]) -> None:
+    """A log2 x axis labelled with sizes (8 B, 1 KiB, ...), and a light grid."""
+    axis.set_xscale("log", base=2)
+    ticks = [n for n in sizes if (n.bit_length() - 1) % 3 == 0] or list(sizes)
+    axis.set_xticks(ticks)
+    axis.set_xticklabels([format_size(n).replace(" ", "") for n in ticks], fontsize=8)
+    axis.grid(True, which="both", alpha=0.3)
+
+
+__all__ += ["markdown_table", "median", "ratio", "size_axis", "text_table", "us", "gbps"]

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import DistributedConfig, DistributedContext, all_reduce, from_numpy
 from .._mpi import MPI
-from ._common import Timing, format_size, markdown_table, median, text_table, us
+from ._common import Timing, format_size, markdown_table, median, size_axis, text_table, us
 
 __all__ = ["LABELS", "VARIANTS", "format_overlap", "plot_overlap", "run_overlap"]
 
@@ -236,10 +236,9 @@ def plot_overlap(result: dict[str, Any], path: str) -> bool:
     for entry in result["variants"].values():
         axis.plot(sizes, [p if p is not None else float("nan") for p in entry["overlap_pct"]], marker=".",
                   label=entry["label"])
-    axis.set(xscale="log", xlabel="message size (bytes)", ylabel="overlap (%)", ylim=(-2, 102),
+    axis.set(xlabel="message size", ylabel="overlap (%)", ylim=(-2, 102),
              title=f"all-reduce / compute overlap, {result['ranks']} ranks")
-    axis.set_xscale("log", base=2)
-    axis.grid(True, which="both", alpha=0.3)
+    size_axis(axis, sizes)
     axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -33,6 +33,7 @@ from ._common import (
     markdown_table,
     median,
     ratio,
+    size_axis,
     start_gloo,
     stop_gloo,
     text_table,
@@ -265,13 +266,12 @@ def plot_sweep(result: dict[str, Any], path: str) -> bool:
         left.plot(sizes, [t * 1e6 for t in times], style, marker=".", label=entry["label"])
         scale = 1.0 if name == "memcpy" else factor
         right.plot(sizes, [n * scale / t / 1e9 for n, t in zip(sizes, times)], style, marker=".", label=entry["label"])
-    left.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="latency (us)",
+    left.set(yscale="log", xlabel="message size", ylabel="latency (us)",
              title=f"all-reduce latency, {result['ranks']} ranks")
-    right.set(xscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s); memcpy: copy rate",
-              title="bus bandwidth")
+    right.set(yscale="log", xlabel="message size", ylabel="busbw (GB/s); memcpy: copy rate (GB/s)",
+              title="bus bandwidth (memory copy: the floor)")
     for axis in (left, right):
-        axis.grid(True, which="both", alpha=0.3)
-        axis.set_xscale("log", base=2)
+        size_axis(axis, sizes)
     left.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
