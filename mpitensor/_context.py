@@ -9,6 +9,7 @@ over that subset only (``MPI_Comm_create_group``: ranks outside take no part), a
 from __future__ import annotations
 
 import operator
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from ._engine import Engine, Group
 from ._errors import ContextBrokenError, ContextClosedError, DeviceError
 from ._mpi import MPI
 from ._pool import HostPool
+from ._progress import ProgressThread
 
 __all__ = ["DistributedContext", "barrier", "current_context"]
 
@@ -123,6 +125,8 @@ class DistributedContext:
         self._engine = Engine(self)
         self._pool = _host_pool
         self._diagnosis = Diagnosis(self) if config.check and self._size > 1 else None
+        if self._size > 1 and _progress_wanted(config, thread_level):
+            self._engine.progress_thread = ProgressThread(self._engine)
         _state.push(self)
         if config.fail_fast:
             _failfast.arm()
@@ -239,6 +243,7 @@ class DistributedContext:
             return
         if self._broken is None:
             self._engine.drain(self._timeout)
+            self._stop_progress()
             self._free()
         self._closed = True
         remaining = _state.pop(self)
@@ -250,6 +255,7 @@ class DistributedContext:
         if self._closed:
             return
         self._closed = True
+        self._stop_progress()
         self._engine.progress()
         if self._engine.busy():
             _abandoned.append(self._engine)
@@ -268,6 +274,16 @@ class DistributedContext:
         sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] mpitensor: ctx.abort({errorcode}) called\n")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(errorcode)
+
+    def _stop_progress(self) -> None:
+        thread = self._engine.progress_thread
+        if thread is not None:
+            thread.stop()
+
+    @property
+    def progress(self) -> bool:
+        """True if a progress thread drives communication while the program computes."""
+        return self._engine.progress_thread is not None
 
     def _free(self) -> None:
         if self._diagnosis is not None:
@@ -377,6 +393,30 @@ class DistributedContext:
 
 
 _INIT_TOKEN = object()
+
+
+def _progress_wanted(config: DistributedConfig, thread_level: int) -> bool:
+    """Whether to run a progress thread.
+
+    The config decides; unset, ``MPITENSOR_PROGRESS`` does; unset too, the thread runs
+    wherever MPI provides ``MPI_THREAD_MULTIPLE``.
+
+    Raises:
+        ValueError: the config asks for it but MPI does not provide the thread level.
+    """
+    multiple = thread_level == MPI.THREAD_MULTIPLE
+    wanted = config.progress
+    if wanted is None:
+        raw = os.environ.get("MPITENSOR_PROGRESS", "").strip()
+        wanted = raw not in ("0", "false", "no") if raw else multiple
+    if wanted and not multiple:
+        if config.progress:
+            raise ValueError(
+                "DistributedConfig(progress=True) needs MPI_THREAD_MULTIPLE, but MPI provides "
+                f"{_mpi.thread_level_name(thread_level)}; unset MPITENSOR_THREAD_LEVEL or use progress=False"
+            )
+        return False
+    return bool(wanted)
 
 
 def _tag_for(members: Sequence[int]) -> int:

@@ -27,6 +27,7 @@ from ._mpi import MPI
 
 if TYPE_CHECKING:
     from ._context import DistributedContext
+    from ._progress import ProgressThread
     from ._protect import Protection
 
 __all__ = ["Engine", "Group", "Op", "Stepper"]
@@ -198,7 +199,7 @@ class Engine:
         self.posted: list[Op] = []  # ops whose data is in flight
         self.waiting_groups: set[Group] = set()  # groups with a non-empty queue
         self.completed = 0
-        self.progress_hooks: list[Callable[[], None]] = []
+        self.progress_thread: ProgressThread | None = None
 
     # -- starting ----------------------------------------------------------------------
 
@@ -335,6 +336,8 @@ class Engine:
         if op.requests or op.stepper is not None:
             op.state = POSTED
             self.posted.append(op)
+            if self.progress_thread is not None:
+                self.progress_thread.wake(op.nbytes)
         else:
             self._complete(op)
 
@@ -370,8 +373,6 @@ class Engine:
                     else:
                         still.append(op)
                 self.posted = still
-            for hook in self.progress_hooks:
-                hook()
 
     def _complete(self, op: Op) -> None:
         op.requests = []
@@ -437,13 +438,17 @@ class Engine:
                 broken).
             The op's error, if it failed.
         """
+        thread = self.progress_thread
+        if thread is not None and thread.error is not None:
+            message = f"the progress thread failed: {thread.error!r}"
+            self.ctx._mark_broken(message)
+            raise ContextBrokenError(message) from thread.error
         if op.state < COMPLETE:
             if (
                 timeout is None
                 and op.state == POSTED
                 and op.stepper is None
                 and not self.waiting_groups
-                and not self.progress_hooks
             ):
                 with self.lock:
                     if op.state == POSTED and not self.waiting_groups:
