@@ -61,16 +61,18 @@ EOF
 [ -d "$wheels" ] || { echo "gpu-check.sh: no $wheels; fetch the wheels first (see this script's header)" >&2; exit 2; }
 
 say "environment ($mpi, from $wheels, into $venv)"
+# --ignore-installed: the environment sees the system's packages (an mpi4py among them),
+# and these must land in the environment all the same.
 install=(--no-index --find-links "$wheels" --ignore-installed --disable-pip-version-check -q "$mpi" mpi4py pytest pytest-mpi)
-if "$python" -m pip --version >/dev/null 2>&1; then
-  # The interpreter's pip installs into the environment's prefix (lib/, bin/, site-packages),
-  # which works even where the venv module cannot bootstrap pip.
+rm -rf "$venv"
+if limited 60 "$python" -m venv --system-site-packages "$venv" && [ -x "$venv/bin/pip" ]; then
+  limited 120 "$venv/bin/python" -m pip install "${install[@]}" || { step_failed "installing from $wheels"; exit 1; }
+else
+  # No ensurepip here: the interpreter's own pip installs into the environment's prefix
+  # (bin/, lib/, site-packages), which is the same layout.
+  rm -rf "$venv"
   limited 60 "$python" -m venv --without-pip --system-site-packages "$venv" \
     && limited 120 "$python" -m pip install --prefix "$venv" "${install[@]}" \
-    || { step_failed "installing from $wheels"; exit 1; }
-else
-  limited 60 "$python" -m venv --system-site-packages "$venv" \
-    && limited 120 "$venv/bin/python" -m pip install "${install[@]}" \
     || { step_failed "installing from $wheels"; exit 1; }
 fi
 py="$venv/bin/python"
@@ -81,8 +83,10 @@ export MPITENSOR_TIMEOUT=${MPITENSOR_TIMEOUT:-120}
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 if [ "$mpi" = openmpi ]; then
   # Containers often forbid the cross-process reads (CMA) Open MPI's shared memory uses
-  # for large messages, and give /dev/shm little room: use copies, and /tmp if need be.
-  export OMPI_MCA_btl_sm_single_copy_mechanism=${OMPI_MCA_btl_sm_single_copy_mechanism:-none}
+  # for large messages, and give /dev/shm little room: copy through shared segments
+  # instead (the floor and mpitensor run on the same MPI, so the ratios stay fair), and
+  # back them with /tmp if need be.
+  export OMPI_MCA_smsc=${OMPI_MCA_smsc:-^cma}
   shm_kib=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}')
   if [ -z "$shm_kib" ] || [ "$shm_kib" -lt 1048576 ]; then
     export OMPI_MCA_btl_sm_backing_directory=${OMPI_MCA_btl_sm_backing_directory:-/tmp}
