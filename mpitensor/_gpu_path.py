@@ -23,7 +23,7 @@ the same recipe):
    caller's stream); ``ready = call.mark()`` after the last work the op depends on.
 2. cuda-aware (`device_buffers_ok`): in ``post()``, ``ready.synchronize()`` and hand the
    CuPy arrays to MPI. In ``finish()``, device-side fix-ups go on the caller's stream
-   (``call.divide``).
+   (``call.finish_on_device``).
 3. staged: ``staged = call.stage(send, after=ready)`` at the call; in ``post()``,
    ``staged.wait()`` gives the host array for MPI; receive-only host buffers come from
    `host_empty`. In ``finish()``, ``call.unstage(buffer, out)`` copies back (and
@@ -278,12 +278,13 @@ class GpuCall:
         *,
         after: Any = None,
         divide_by: int | None = None,
+        into: Any = None,
     ) -> Any:
         """Copy a host result into a device array, ordered before the caller's later work.
 
-        The copy (and the division, if any) runs on the copy stream; the caller's stream
-        then waits for it on the GPU (the host does not block). A `PinnedBuffer` goes back
-        to the pool, reusable once the copy is done.
+        The copy (and the division and rounding, if any) runs on the copy stream; the
+        caller's stream then waits for it on the GPU (the host does not block). A
+        `PinnedBuffer` goes back to the pool, reusable once the copy is done.
 
         Args:
             host: the host result (same number of bytes as `out`).
@@ -291,6 +292,9 @@ class GpuCall:
             after: an event the copy waits for first, when `out` was allocated after the
                 event the copy stream last waited for (e.g. a receive with no `stage`).
             divide_by: divide the result by this on the device (``MEAN``).
+            into: a device array (from `empty()`, like `out`) to convert the result into,
+                when the result's dtype differs from the one MPI reduced in (half
+                precision is reduced in float32 and rounded back once).
 
         Returns:
             The event recorded after the copy (and division).
@@ -310,19 +314,31 @@ class GpuCall:
                 runtime.memcpyAsync(
                     out.data.ptr, array.ctypes.data, out.nbytes, runtime.memcpyHostToDevice, self.copies.ptr
                 )
-            if divide_by is not None:
-                with self.copies:
-                    self.cupy.true_divide(out, divide_by, out=out)
+            with self.copies:
+                self._fix_up(out, divide_by, into)
             done = self._event_on(self.copies)
             self.stream.wait_event(done)
         if buffer is not None:
             buffer.release(done)
         return done
 
-    def divide(self, out: Any, divisor: int) -> None:
-        """Divide `out` in place by `divisor`, on the caller's stream (``MEAN``)."""
+    def finish_on_device(self, out: Any, *, divide_by: int | None = None, into: Any = None) -> None:
+        """Divide and round a result that MPI wrote to the device, on the caller's stream.
+
+        Args:
+            out: the device array MPI reduced into.
+            divide_by: divide it in place by this (``MEAN``).
+            into: a device array to convert the result into (see `unstage`).
+        """
         with self.scope(), self.stream:
-            self.cupy.true_divide(out, divisor, out=out)
+            self._fix_up(out, divide_by, into)
+
+    def _fix_up(self, out: Any, divide_by: int | None, into: Any) -> None:
+        # Runs on the current stream, which the caller has selected.
+        if divide_by is not None:
+            self.cupy.true_divide(out, divide_by, out=out)
+        if into is not None and into is not out:
+            self.cupy.copyto(into, out, casting="unsafe")
 
 
 def gpu_call(array: Any) -> GpuCall:
@@ -387,12 +403,15 @@ def gpu_all_reduce(
         else:
             send = source.buffer
     out = call.empty(tuple(array.shape), plan.work_dtype)
+    # Half precision is reduced in float32 and rounded back into the result once.
+    out_dtype = getattr(plan, "out_dtype", plan.work_dtype)
+    final = out if out_dtype == plan.work_dtype else call.empty(tuple(array.shape), out_dtype)
     ready = call.mark()
-    result = Tensor(out, cuda_result_device(ctx, source, call.device))
-    divide_by = group.size if plan.divide else None
+    result = Tensor(final, cuda_result_device(ctx, source, call.device))
+    fix = _FixUp(group.size if plan.divide else None, final)
     has_cpu_ranks = any(ctx.devices[m].kind != "cuda" for m in group.members)
     if device_buffers_ok(ctx, plan.mpi_op) and not has_cpu_ranks:
-        steps = _reduce_device_buffers(call, group, plan, send, out, ready, divide_by)
+        steps = _reduce_device_buffers(call, group, plan, send, out, ready, fix)
     else:
         staged = call.stage(send, after=ready)
         # Ranks with host inputs take the shared-memory all-reduce where it applies (large
@@ -402,9 +421,9 @@ def gpu_all_reduce(
 
         fast = shared_memory_post(ctx, group, staged.buffer.array, plan)
         if fast is None:
-            steps = _reduce_staged(call, group, plan, staged, out, divide_by)
+            steps = _reduce_staged(call, group, plan, staged, out, fix)
         else:
-            steps = _reduce_staged_shared(call, fast, staged, out, divide_by)
+            steps = _reduce_staged_shared(call, fast, staged, out, fix)
     post, finish_copy, keep = steps
 
     def finish() -> Tensor:
@@ -419,7 +438,7 @@ def gpu_all_reduce(
         post,
         finish,
         record=record,
-        keep=(send, out, *keep),
+        keep=(send, out, final, *keep),
         protections=source.protect(),
     )
     return start(ctx, op, result)
@@ -428,8 +447,16 @@ def gpu_all_reduce(
 _Steps = tuple[Callable[[], Any], Callable[[], None], tuple[Any, ...]]
 
 
+@dataclass(frozen=True)
+class _FixUp:
+    """What happens on the device once MPI is done: MEAN's division, rounding back."""
+
+    divide_by: int | None
+    into: Any
+
+
 def _reduce_device_buffers(
-    call: GpuCall, group: Group, plan: ReducePlan, send: Any, out: Any, ready: Any, divide_by: int | None
+    call: GpuCall, group: Group, plan: ReducePlan, send: Any, out: Any, ready: Any, fix: _FixUp
 ) -> _Steps:
     """cuda-aware: MPI reduces the device buffers once the work producing them is done."""
     comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
@@ -439,15 +466,12 @@ def _reduce_device_buffers(
         return [comm.Iallreduce([send, datatype], [out, datatype], mpi_op)]
 
     def finish() -> None:
-        if divide_by is not None:
-            call.divide(out, divide_by)
+        call.finish_on_device(out, divide_by=fix.divide_by, into=fix.into)
 
     return post, finish, ()
 
 
-def _reduce_staged(
-    call: GpuCall, group: Group, plan: ReducePlan, staged: Staged, out: Any, divide_by: int | None
-) -> _Steps:
+def _reduce_staged(call: GpuCall, group: Group, plan: ReducePlan, staged: Staged, out: Any, fix: _FixUp) -> _Steps:
     """staged: MPI reduces the pinned copy in place; the result is copied back."""
     comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
 
@@ -456,12 +480,12 @@ def _reduce_staged(
         return [comm.Iallreduce(MPI.IN_PLACE, [host, datatype], mpi_op)]
 
     def finish() -> None:
-        call.unstage(staged.buffer, out, divide_by=divide_by)
+        call.unstage(staged.buffer, out, divide_by=fix.divide_by, into=fix.into)
 
     return post, finish, (staged.buffer,)
 
 
-def _reduce_staged_shared(call: GpuCall, fast: Any, staged: Staged, out: Any, divide_by: int | None) -> _Steps:
+def _reduce_staged_shared(call: GpuCall, fast: Any, staged: Staged, out: Any, fix: _FixUp) -> _Steps:
     """staged, through the shared-memory all-reduce (the result comes from its memory)."""
 
     def post() -> Any:
@@ -469,7 +493,7 @@ def _reduce_staged_shared(call: GpuCall, fast: Any, staged: Staged, out: Any, di
         return fast.post()
 
     def finish() -> None:
-        call.unstage(fast.out, out, divide_by=divide_by)
+        call.unstage(fast.out, out, divide_by=fix.divide_by, into=fix.into)
         staged.buffer.release()
 
     return post, finish, (staged.buffer, fast.out)
