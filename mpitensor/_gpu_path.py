@@ -16,8 +16,9 @@ on a separate non-blocking *copy stream* per device, so they overlap the caller'
 and the engine may finish an op on any thread: every CuPy call here selects the device
 itself and names its stream explicitly, never relying on the thread's current stream.
 
-Reusable pieces (the all-reduce at the bottom is built from them; other collectives follow
-the same recipe):
+Reusable pieces (`gpu_all_reduce` is built from them; a GPU path for another collective
+follows the same recipe; until it has one, `StagedCollective` runs its host implementation
+on staged copies):
 
 1. At the call: ``call = gpu_call(array)``; allocate results with ``call.empty`` (on the
    caller's stream); ``ready = call.mark()`` after the last work the op depends on.
@@ -28,6 +29,8 @@ the same recipe):
    ``staged.wait()`` gives the host array for MPI; receive-only host buffers come from
    `host_empty`. In ``finish()``, ``call.unstage(buffer, out)`` copies back (and
    divides), makes the caller's stream wait for it, and returns the buffer to the pool.
+4. Every rank of a group must run the same algorithm: where ranks with host inputs could
+   take another one (the shared-memory all-reduce), stage and offer it the host copy.
 """
 
 from __future__ import annotations
