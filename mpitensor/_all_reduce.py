@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ._check import Record
-from ._collective import CollectiveTensor, check_record, context_for, start, take_input
+from ._collective import (
+    CollectiveTensor,
+    check_record,
+    context_for,
+    finish_reduction,
+    reduction_buffers,
+    result_device,
+    start,
+    take_input,
+)
 from ._config import ReduceOperation, parse_op
 from ._context import DevicesArg
 from ._dtypes import reduce_plan
@@ -63,8 +70,12 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     else:
         send = source.buffer
     fast = shared_memory_post(ctx, group, send, plan)  # the intra-node fast path, or None
-    out = ctx._pool.empty(array.shape, plan.work_dtype) if fast is None else fast.out
-    result = Tensor(out, source.tensor.device if source.tensor is not None else ctx._cpu_device)
+    if fast is None:
+        out, final = reduction_buffers(ctx, array.shape, plan)
+    else:
+        out = fast.out
+        final = ctx._pool.empty(array.shape, plan.out_dtype) if plan.rounds_back else out
+    result = Tensor(final, result_device(ctx, source))
     comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
     size = group.size
 
@@ -72,8 +83,7 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         return [comm.Iallreduce([send, datatype], [out, datatype], mpi_op)]
 
     def finish() -> Tensor:
-        if plan.divide:
-            np.true_divide(out, size, out=out)
+        finish_reduction(out, final, plan, size)
         return result
 
     record = check_record(ctx, group, Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members))
@@ -84,7 +94,7 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         post if fast is None else fast.post,
         finish,
         record=record,
-        keep=(send, out),
+        keep=(send, out, final),
         protections=source.protect(),
     )
     return start(ctx, collective, result)

@@ -288,9 +288,36 @@ def group_root(group: Group, root: int, what: str) -> int:
         ) from None
 
 
+def reduction_buffers(ctx: DistributedContext, shape: tuple[int, ...], plan: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The buffer MPI reduces into and the array the result tensor wraps.
+
+    They are the same array, except for half precision, which is reduced in float32 and
+    rounded back into the result by `finish_reduction`.
+    """
+    work = ctx._pool.empty(shape, plan.work_dtype)
+    return work, (ctx._pool.empty(shape, plan.out_dtype) if plan.rounds_back else work)
+
+
+def finish_reduction(work: np.ndarray, final: np.ndarray, plan: Any, size: int) -> None:
+    """Apply MEAN's division and round half precision back, in place."""
+    if plan.divide:
+        np.true_divide(work, size, out=work)
+    if final is not work:
+        np.copyto(final, work, casting="unsafe")
+
+
 def result_device(ctx: DistributedContext, source: Input) -> Any:
     """The device a host result goes to: the input tensor's, else this rank's CPU."""
     return source.tensor.device if source.tensor is not None else ctx._cpu_device
 
 
-__all__ += ["check_record", "context_for", "group_root", "result_device", "root_rank", "start"]
+__all__ += [
+    "check_record",
+    "context_for",
+    "finish_reduction",
+    "group_root",
+    "reduction_buffers",
+    "result_device",
+    "root_rank",
+    "start",
+]

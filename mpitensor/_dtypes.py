@@ -67,12 +67,25 @@ class ReducePlan:
         work_dtype: the dtype of the buffers MPI reduces (the input is converted to it
             when it differs from the input's dtype).
         divide: divide the result by the group size afterwards (``MEAN``).
+        result_dtype: the dtype of the result (the work dtype, except for half precision,
+            which is reduced in float32 and rounded back once at the end).
     """
 
     mpi_op: Any
     datatype: Any
     work_dtype: np.dtype
     divide: bool
+    result_dtype: np.dtype | None = None
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        """The dtype of the result tensor."""
+        return self.work_dtype if self.result_dtype is None else self.result_dtype
+
+    @property
+    def rounds_back(self) -> bool:
+        """True if the reduced work buffer is converted into the result's dtype."""
+        return self.result_dtype is not None and self.result_dtype != self.work_dtype
 
 
 def supported_dtype_names() -> str:
@@ -141,11 +154,10 @@ def reduce_plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
         return ReducePlan(table[op], _NATIVE[dtype], dtype, False)
     if dtype.kind == "c" and op in (ReduceOperation.MAX, ReduceOperation.MIN):
         return ReducePlan(_numpy_op(op, dtype), _NATIVE[dtype], dtype, False)
-    if dtype in _NATIVE:
-        return ReducePlan(_ARITHMETIC[op], _NATIVE[dtype], dtype, divide)
-    from ._halfprec import bfloat16_plan
-
-    return bfloat16_plan(op, dtype)
+    if dtype.itemsize == 2 and dtype.kind in "fV":
+        # float16 and bfloat16: reduced in float32, rounded back once (see _halfprec).
+        return ReducePlan(_ARITHMETIC[op], MPI.FLOAT, np.dtype(np.float32), divide, dtype)
+    return ReducePlan(_ARITHMETIC[op], _NATIVE[dtype], dtype, divide)
 
 
 _UFUNCS = {

@@ -142,6 +142,7 @@ def _start_fused(
     buckets = plan_buckets(sizes, plans, bucket_bytes or ctx._config.bucket_bytes)
     outputs: list[Any] = [None] * len(inputs)
     sends, recvs = [], []
+    rounding: list[tuple[np.ndarray, np.ndarray]] = []  # half precision: (float32 view, result)
     for bucket in buckets:
         dtype = bucket.plan.work_dtype
         send = ctx._pool.empty((bucket.elements,), dtype)
@@ -151,6 +152,10 @@ def _start_fused(
             size = sizes[index]
             np.copyto(send[offset : offset + size], item.buffer.reshape(-1), casting="unsafe")
             view = out[offset : offset + size].reshape(item.array.shape)
+            if plans[index].rounds_back:
+                final = ctx._pool.empty(item.array.shape, plans[index].out_dtype)
+                rounding.append((view, final))
+                view = final
             outputs[index] = Tensor(view, result_device(ctx, item))
         sends.append(send)
         recvs.append(out)
@@ -159,7 +164,7 @@ def _start_fused(
     record = Record(kind, reduce_op, None, summary, -1, group.members,
                     extra=structure_hash(keys, [item.array for item in inputs]))
     nbytes = sum(item.array.nbytes for item in inputs)
-    return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes)
+    return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes, rounding)
 
 
 def start_buckets(
@@ -171,6 +176,7 @@ def start_buckets(
     result: Any,
     record: Record,
     nbytes: int,
+    rounding: Sequence[tuple[np.ndarray, np.ndarray]] = (),
 ) -> CollectiveTensor:
     """All-reduce packed buckets as one op: one ``MPI_Iallreduce`` per bucket.
 
@@ -183,6 +189,7 @@ def start_buckets(
         result: what `resolve()` returns.
         record: what this rank says about the call, for the check.
         nbytes: the bytes of all the tensors, for messages.
+        rounding: (float32 view, half-precision result) pairs to round back at the end.
 
     Returns:
         The handle resolving to `result`.
@@ -199,8 +206,10 @@ def start_buckets(
         for bucket, out in zip(buckets, recvs):
             if bucket.plan.divide:
                 np.true_divide(out, size, out=out)
+        for view, final in rounding:
+            np.copyto(final, view, casting="unsafe")
         return result
 
     op = Op(record.kind, group, nbytes, post, finish, record=check_record(ctx, group, record),
-            keep=(*sends, *recvs))
+            keep=(*sends, *recvs, *(final for _, final in rounding)))
     return start(ctx, op, result)

@@ -145,15 +145,21 @@ class GradientSync:
         out = self._ctx._pool.empty((bucket.elements,), bucket.plan.work_dtype)
         device = self._ctx._cpu_device
         views = {}
-        for member, offset in zip(bucket.members, bucket.offsets):
-            name = self._names[index][bucket.members.index(member)]
-            shape = self._specs[name][0]
+        rounding = []
+        for name, offset in zip(self._names[index], bucket.offsets):
+            shape, dtype = self._specs[name]
             size = int(np.prod(shape, dtype=np.int64))
-            views[name] = Tensor(out[offset : offset + size].reshape(shape), device)
+            view = out[offset : offset + size].reshape(shape)
+            plan = reduce_plan(self._op, dtype)
+            if plan.rounds_back:  # half precision, reduced in float32
+                final = self._ctx._pool.empty(shape, plan.out_dtype)
+                rounding.append((view, final))
+                view = final
+            views[name] = Tensor(view, device)
         record = Record("gradient sync", self._op, None, (index, bucket.elements), -1, self._group.members,
                         extra=self._hashes[index])
         self._handles[index] = start_buckets(
-            self._ctx, self._group, [bucket], [self._sends[index]], [out], views, record, out.nbytes
+            self._ctx, self._group, [bucket], [self._sends[index]], [out], views, record, out.nbytes, rounding
         )
 
     def wait(self, timeout: float | None = None) -> dict[str, Tensor]:

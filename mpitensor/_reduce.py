@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ._check import Record
 from ._collective import (
     CollectiveTensor,
     check_record,
     context_for,
+    finish_reduction,
     group_root,
+    reduction_buffers,
     result_device,
     root_rank,
     start,
@@ -67,8 +67,8 @@ def reduce(
         send = send.astype(plan.work_dtype)
         source.copied = True
     is_root = root_at == ctx.rank
-    out = ctx._pool.empty(array.shape, plan.work_dtype) if is_root else None
-    result = Tensor(out, result_device(ctx, source)) if out is not None else None
+    out, final = reduction_buffers(ctx, array.shape, plan) if is_root else (None, None)
+    result = Tensor(final, result_device(ctx, source)) if final is not None else None
     comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
 
     def post() -> list[Any]:
@@ -77,12 +77,13 @@ def reduce(
         return [comm.Ireduce([send, datatype], recv, mpi_op, root=index)]
 
     def finish() -> Tensor | None:
-        if out is not None and plan.divide:
-            np.true_divide(out, size, out=out)
+        if out is not None:
+            finish_reduction(out, final, plan, size)
         return result
 
     record = check_record(ctx, group, Record("reduce", reduce_op, array.dtype, array.shape, root_at, group.members))
     collective = Op(
-        "reduce", group, array.nbytes, post, finish, record=record, keep=(send, out), protections=source.protect()
+        "reduce", group, array.nbytes, post, finish, record=record, keep=(send, out, final),
+        protections=source.protect(),
     )
     return start(ctx, collective, result)

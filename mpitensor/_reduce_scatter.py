@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ._check import Record
-from ._collective import CollectiveTensor, check_record, context_for, result_device, start, take_input
+from ._collective import (
+    CollectiveTensor,
+    check_record,
+    context_for,
+    finish_reduction,
+    reduction_buffers,
+    result_device,
+    start,
+    take_input,
+)
 from ._config import ReduceOperation, parse_op
 from ._context import DevicesArg
 from ._dtypes import reduce_plan
@@ -83,8 +90,8 @@ def reduce_scatter(
     if plan.work_dtype != send.dtype:
         send = send.astype(plan.work_dtype)
         source.copied = True
-    out = ctx._pool.empty(block_shape, plan.work_dtype)
-    result = Tensor(out, result_device(ctx, source))
+    out, final = reduction_buffers(ctx, block_shape, plan)
+    result = Tensor(final, result_device(ctx, source))
     comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
 
     def post() -> list[Any]:
@@ -93,8 +100,7 @@ def reduce_scatter(
         return [comm.Ireduce_scatter_block([send, datatype], [out, datatype], mpi_op)]
 
     def finish() -> Tensor:
-        if plan.divide:
-            np.true_divide(out, size, out=out)
+        finish_reduction(out, final, plan, size)
         return result
 
     record = check_record(ctx, group, Record("reduce_scatter", reduce_op, array.dtype, array.shape, -1, group.members))
@@ -105,7 +111,7 @@ def reduce_scatter(
         post,
         finish,
         record=record,
-        keep=(send, out),
+        keep=(send, out, final),
         protections=source.protect(),
     )
     return start(ctx, collective, result)
