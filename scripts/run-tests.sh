@@ -38,7 +38,7 @@ for n in "${sizes[@]}"; do
     for f in "$logs"/rank-*.log; do echo "--- $f"; tail -n 60 "$f"; done
   fi
   for f in "$logs"/rank-*.log; do
-    [ -f "$f" ] && echo "    $(basename "$f" .log): $(grep -E '(passed|failed|error)' "$f" | tail -n 1)"
+    [ -f "$f" ] && echo "    $(basename "$f" .log): $(grep -aE '(passed|failed|error)' "$f" | tail -n 1)"
   done
   echo "=== $name: -n $n took $(( $(date +%s) - start )) s"
 done
