@@ -285,6 +285,13 @@ class DistributedContext:
         """True if a progress thread drives communication while the program computes."""
         return self._engine.progress_thread is not None
 
+    def _mpi_handles(self) -> list[Any]:
+        """Every communicator the context created (for checks that close() frees them)."""
+        comms = [self._diag_comm, self._local_comm, self._comm, self._p2p.comm, *self._comms]
+        for group in self._groups.values():
+            comms += [group.comm, group.check_comm, group.detail_comm]
+        return comms
+
     def _free(self) -> None:
         if self._diagnosis is not None:
             self._diagnosis.free()
