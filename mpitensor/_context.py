@@ -107,13 +107,25 @@ class DistributedContext:
         self._local_rank = local.Get_rank()
         self._local_size = local.Get_size()
         self._host = MPI.Get_processor_name() or socket.gethostname()
-        device = _choose_device(chosen, config, self._local_rank, world_rank)
-        everyone = comm.allgather((device.kind, device.index, self._host, self._local_rank))
+        # A rank that cannot have its device must not leave the others waiting in the
+        # allgather: every rank learns of every failure and raises.
+        try:
+            device = _choose_device(chosen, config, self._local_rank, world_rank)
+            mine: tuple[Any, ...] = (device.kind, device.index, self._host, self._local_rank, None)
+        except DeviceError as exc:
+            mine = ("cpu", 0, self._host, self._local_rank, str(exc))
+        everyone = comm.allgather(mine)
+        failures = [(members[r], row[4]) for r, row in enumerate(everyone) if row[4] is not None]
+        if failures:
+            local.Free()
+            comm.Free()
+            reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in failures)
+            raise DeviceError(f"DistributedContext.init failed to give every rank its device: {reasons}")
         self._devices = tuple(
-            Device(kind, index, members[r]) for r, (kind, index, _, _) in enumerate(everyone)
+            Device(kind, index, members[r]) for r, (kind, index, _, _, _) in enumerate(everyone)
         )
-        self._hosts = tuple(host for _, _, host, _ in everyone)
-        self._local_ranks = tuple(lr for _, _, _, lr in everyone)
+        self._hosts = tuple(row[2] for row in everyone)
+        self._local_ranks = tuple(row[3] for row in everyone)
         self._device = self._devices[self._rank]
         self._cpu_device = self._device if device.kind == "cpu" else Device("cpu", 0, world_rank)
         self._diag_comm = comm.Dup()

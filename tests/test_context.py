@@ -124,3 +124,13 @@ def test_bad_group_arguments(ctx):
 def test_barrier(ctx):
     mt.barrier()
     mt.barrier(devices=[ctx.rank])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_cannot_have_its_device_fails_init_on_every_rank():
+    size = MPI.COMM_WORLD.Get_size()
+    devices = [mt.Device("cuda", 999, r) if r == 1 else mt.Device("cpu", 0, r) for r in range(size)]
+    with pytest.raises(mt.DeviceError, match="failed to give every rank its device: rank 1: "):
+        mt.DistributedContext.init(devices=devices)
+    with mt.DistributedContext.init() as ctx:  # nothing was left behind
+        assert mt.all_reduce(np.ones(1)).resolve().item() == ctx.size
