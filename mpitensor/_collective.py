@@ -6,14 +6,14 @@ That is: turning inputs into buffers, protecting them, and starting ops on the e
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from . import _state
 from ._backend import is_cupy_array
 from ._check import Record
-from ._context import DevicesArg, DistributedContext, current_context
+from ._context import DevicesArg, DistributedContext
 from ._dtypes import transfer_dtype
 from ._engine import COMPLETE, FAILED, Group, Op
 from ._errors import ContextClosedError, DeviceError
@@ -149,7 +149,6 @@ class Later:
         self.value: Any = None
 
 
-@dataclass
 class Input:
     """A collective's input, made ready for MPI.
 
@@ -158,23 +157,30 @@ class Input:
         array: the array given (NumPy or CuPy).
         buffer: what MPI reads: `array` itself, or a contiguous native copy of it.
         copied: True when `buffer` is a private copy (needs no protection).
+        on_gpu: True for a CuPy input.
     """
 
-    tensor: Tensor | None
-    array: Any
-    buffer: Any
-    copied: bool
+    __slots__ = ("array", "buffer", "copied", "on_gpu", "tensor")
 
-    @property
-    def on_gpu(self) -> bool:
-        """True for a CuPy input."""
-        return is_cupy_array(self.array)
+    def __init__(self, tensor: Tensor | None, array: Any, buffer: Any, copied: bool, on_gpu: bool = False) -> None:
+        self.tensor = tensor
+        self.array = array
+        self.buffer = buffer
+        self.copied = copied
+        self.on_gpu = on_gpu
 
     def protect(self) -> tuple[Protection, ...]:
         """Protect the input from writes while MPI reads it (nothing for a copy)."""
         if self.copied:
             return ()
         return (Protection(self.tensor, self.array),)
+
+
+_PLAIN = frozenset(
+    np.dtype(t)
+    for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+              np.float16, np.float32, np.float64, np.complex64, np.complex128)
+)
 
 
 def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "input") -> Input:
@@ -186,7 +192,11 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
         TypeError: not a Tensor or NumPy/CuPy array, or a dtype MPI cannot carry.
         DeviceError: a GPU tensor on another GPU than this rank's.
     """
-    if isinstance(value, Tensor):
+    if type(value) is Tensor:
+        tensor, array = value, value._array
+    elif type(value) is np.ndarray:
+        tensor, array = None, value
+    elif isinstance(value, Tensor):
         tensor, array = value, value._array
     elif isinstance(value, np.ndarray) or is_cupy_array(value):
         tensor, array = None, value
@@ -195,15 +205,18 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
             f"{what} expects {argument} to be a mpitensor.Tensor or a NumPy array, "
             f"got {type(value).__name__}"
         )
-    dtype = transfer_dtype(array.dtype)
-    if is_cupy_array(array):
+    dtype = array.dtype
+    if dtype not in _PLAIN:  # the common dtypes pass without a lookup of their MPI type
+        dtype = transfer_dtype(dtype)
+    if type(array) is not np.ndarray and is_cupy_array(array):
         _check_gpu(array, ctx, what)
-    if array.flags.c_contiguous and dtype == array.dtype:
-        return Input(tensor, array, array, False)
-    if is_cupy_array(array):
+        if array.flags.c_contiguous and dtype == array.dtype:
+            return Input(tensor, array, array, False, True)
         import cupy
 
-        return Input(tensor, array, cupy.ascontiguousarray(array, dtype=dtype), True)
+        return Input(tensor, array, cupy.ascontiguousarray(array, dtype=dtype), True, True)
+    if array.flags.c_contiguous and dtype == array.dtype:
+        return Input(tensor, array, array, False)
     buffer = ctx._pool.empty(array.shape, dtype)
     np.copyto(buffer, array, casting="no" if dtype == array.dtype else "equiv")
     return Input(tensor, array, buffer, True)
@@ -248,8 +261,10 @@ def context_for(what: str) -> DistributedContext:
     Raises:
         NoContextError, ContextClosedError, ContextBrokenError.
     """
-    ctx = current_context()
-    ctx._ensure_usable()
+    stack = _state._open
+    ctx = stack[-1] if stack else _state.current()
+    if ctx._closed or ctx._broken is not None:
+        ctx._ensure_usable()
     return ctx
 
 

@@ -119,8 +119,12 @@ class DistributedContext:
         if failures:
             local.Free()
             comm.Free()
-            reasons = "; ".join(f"rank {rank}: {reason}" for rank, reason in failures)
-            raise DeviceError(f"DistributedContext.init failed to give every rank its device: {reasons}")
+            own = mine[4]
+            others = "; ".join(f"rank {rank}: {reason}" for rank, reason in failures if rank != world_rank)
+            if own is not None:
+                raise DeviceError(own + (f" (and {others})" if others else ""))
+            raise DeviceError(f"DistributedContext.init failed on other ranks, which cannot have their device: "
+                              f"{others}")
         self._devices = tuple(
             Device(kind, index, members[r]) for r, (kind, index, _, _, _) in enumerate(everyone)
         )

@@ -8,7 +8,7 @@ and whether the result is divided by the group size afterwards.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -76,16 +76,15 @@ class ReducePlan:
     work_dtype: np.dtype
     divide: bool
     result_dtype: np.dtype | None = None
+    # Derived once (plans are looked up on every call): the result tensor's dtype, and
+    # whether the reduced work buffer is rounded back into it.
+    out_dtype: np.dtype = field(init=False)
+    rounds_back: bool = field(init=False)
 
-    @property
-    def out_dtype(self) -> np.dtype:
-        """The dtype of the result tensor."""
-        return self.work_dtype if self.result_dtype is None else self.result_dtype
-
-    @property
-    def rounds_back(self) -> bool:
-        """True if the reduced work buffer is converted into the result's dtype."""
-        return self.result_dtype is not None and self.result_dtype != self.work_dtype
+    def __post_init__(self) -> None:
+        out = self.work_dtype if self.result_dtype is None else self.result_dtype
+        object.__setattr__(self, "out_dtype", out)
+        object.__setattr__(self, "rounds_back", out != self.work_dtype)
 
 
 def supported_dtype_names() -> str:
@@ -138,13 +137,25 @@ def _byte_type(itemsize: int) -> Any:
     return datatype
 
 
-@functools.cache
+_PLANS: dict[tuple[int, np.dtype], ReducePlan] = {}
+
+
 def reduce_plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
-    """Plan the reduction of `dtype` tensors with `op`.
+    """Plan the reduction of `dtype` tensors with `op` (cached).
 
     Raises:
         TypeError: `dtype` cannot be reduced.
     """
+    # Keyed by the member's id: hashing an Enum member runs Python code, and this lookup
+    # is on the path of every reducing collective.
+    key = (id(op), dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(op, dtype)
+    return plan
+
+
+def _plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
     dtype = transfer_dtype(dtype)
     divide = op is ReduceOperation.MEAN
     if dtype.kind in "biu":

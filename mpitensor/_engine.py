@@ -162,12 +162,9 @@ class Op:
         self.state = QUEUED
         self.result: Any = None
         self.error: BaseException | None = None
-        self.check_req: Any = None
-        self.check_send: np.ndarray | None = None
-        self.check_recv: np.ndarray | None = None
-        self.check_stage = 0
-        self.gathered: np.ndarray | None = None
-        self.seq = -1
+        # check_req, check_send, check_recv, check_stage, seq and gathered are set when
+        # the check is posted: most ops (no check, or a small unchecked all-reduce) never
+        # need them, and every assignment costs on the path of the smallest messages.
 
     def describe(self) -> str:
         """The op for messages: name, size and group."""
@@ -212,34 +209,28 @@ class Engine:
         Raises:
             CollectiveMismatchError: the check completed within the grace and disagreed.
         """
-        group = self.ctx_check_usable(op)
+        ctx = self.ctx
+        if ctx._broken is not None or ctx._closed:
+            ctx._ensure_usable()
+        group = op.group
         with self.lock:
+            if op.record is None and not group.queue:
+                self._post_data(op)
+                return
             if op.record is not None:
                 self._post_check(op)
                 group.queue.append(op)
                 self.waiting_groups.add(group)
-            elif group.queue:
+            else:
                 op.state = QUEUED
                 group.queue.append(op)
                 self.waiting_groups.add(group)
-            else:
-                self._post_data(op)
-                return
             self._pump(group)
         if op.state == CHECKING:
             self._wait_check(op, self.ctx.config.check_grace if grace is None else grace)
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
-
-    def ctx_check_usable(self, op: Op) -> Group:
-        """The op's group, after checking the context may start collectives.
-
-        Raises:
-            ContextBrokenError: an earlier collective timed out.
-        """
-        self.ctx._ensure_usable()
-        return op.group
 
     def _post_check(self, op: Op) -> None:
         group = op.group
@@ -377,7 +368,9 @@ class Engine:
     def _complete(self, op: Op) -> None:
         op.requests = []
         op.stepper = None
-        self._release(op)
+        if op.protections:
+            self._release(op)
+        op.keep = ()
         try:
             op.result = op.finish() if op.finish is not None else None
         except BaseException as exc:
@@ -438,21 +431,17 @@ class Engine:
                 broken).
             The op's error, if it failed.
         """
-        thread = self.progress_thread
-        if thread is not None and thread.error is not None:
-            message = f"the progress thread failed: {thread.error!r}"
-            self.ctx._mark_broken(message)
-            raise ContextBrokenError(message) from thread.error
         if op.state < COMPLETE:
-            if (
-                timeout is None
-                and op.state == POSTED
-                and op.stepper is None
-                and not self.waiting_groups
-            ):
+            if op.state == POSTED and timeout is None and op.stepper is None and not self.waiting_groups:
+                # Nothing is queued anywhere, so no peer waits for this rank to post: a
+                # blocking wait inside MPI is safe, and the fastest.
                 with self.lock:
                     if op.state == POSTED and not self.waiting_groups:
-                        MPI.Request.Waitall(op.requests)
+                        requests = op.requests
+                        if len(requests) == 1:
+                            requests[0].Wait()
+                        else:
+                            MPI.Request.Waitall(requests)
                         self.posted.remove(op)
                         self._complete(op)
             if op.state < COMPLETE:
@@ -484,6 +473,11 @@ class Engine:
         self._poll_until(lambda: not self.busy(), timeout, None)
 
     def _poll_until(self, done: Callable[[], bool], timeout: float | None, op: Op | None) -> None:
+        thread = self.progress_thread
+        if thread is not None and thread.error is not None:
+            message = f"the progress thread failed: {thread.error!r}"
+            self.ctx._mark_broken(message)
+            raise ContextBrokenError(message) from thread.error
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         backoff = _Backoff()
