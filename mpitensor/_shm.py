@@ -27,29 +27,30 @@ mapping. Nothing is ever created collectively, so nothing can hang, and a rank n
 for its peers to agree on a size.
 
 Ordering between ranks. The first operation of a group (and every operation of the
-hierarchical scheme) uses non-blocking collectives on the group's own duplicate communicator
-(``MPI_Comm_idup``, issued by that first operation in the group's data order), tested from
-`advance()`:
+hierarchical scheme) exchanges small point-to-point messages on the group's communicator,
+tested from `advance()` (point-to-point traffic never matches the collectives that the
+engine posts on the same communicator, so no ordering between the two is needed, and no
+communicator has to be created):
 
-- an all-gather of each rank's block descriptors, posted after its copy-in (nobody reads a
+- each rank sends its block descriptors to its node peers after its copy-in (nobody reads a
   slot before it is written);
-- an all-reduce (MIN) of "my part went well", posted after the reduction (nobody returns a
-  result before every slice is in it, nor reuses a slot someone still reads). Ranks that
-  cannot map a peer's memory (other containers, no ``/proc``) say so there, every rank
-  then runs a plain ``MPI_Iallreduce`` for that operation, and the group stops using the
-  fast path (every rank decides this from the same values).
+- each rank sends "my part went well" to the group's first rank, which sends back whether
+  all went well, after the reduction (nobody returns a result before every slice is in it,
+  nor reuses a slot someone still reads). Ranks that cannot map a peer's memory (other
+  containers, no ``/proc``) say so there; every rank then computes that operation with
+  point-to-point messages alone, and the group stops using shared memory (every rank
+  decides this from the same values).
 
 Once that first operation has mapped every rank's small *control* block, later operations of
 a group whose ranks share one node synchronize through it instead, which costs a few memory
-reads rather than two MPI round trips: each rank writes its descriptor and then its
-sequence number (the same two steps), and polls its peers' from `advance()`. That relies on
-stores becoming visible in program order and loads not passing loads (x86's memory model;
-NumPy's large copies end with a store fence), so other architectures keep the MPI
-collectives.
+reads rather than MPI round trips: each rank writes its descriptor and then its sequence
+number, and polls its peers' from `advance()`. That relies on stores becoming visible in
+program order and loads not passing loads (x86's memory model; NumPy's large copies end
+with a store fence), so other architectures keep the messages.
 
-Operations of one group run one at a time in the group's data order, so the collectives on
-the duplicate communicator are posted, and the sequence numbers counted, in the same order
-on every rank.
+Operations of one group run one at a time in the group's data order, so messages of one
+kind between two ranks arrive in operation order, and sequence numbers count the same on
+every rank.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ _MAX_CACHED_BYTES = 512 << 20
 # Peers' blocks stay mapped (least recently used dropped first) up to this many bytes: a
 # block its owner has freed lives on while mapped here.
 _MAX_PEER_MAP_BYTES = 1 << 30
-_TAG_SCATTER = 0x6D74
-_TAG_GATHER = 0x6D75
+# Tags of the point-to-point messages on the group's communicator (MPI guarantees tags up to
+# 32767; nothing else sends point-to-point messages there).
+_TAG_INFO, _TAG_FLAG, _TAG_AGREED, _TAG_SCATTER, _TAG_GATHER, _TAG_READY, _TAG_COPIED = range(32700, 32707)
 _EXTRA_KEY = "shared_memory"
 
 # MPI op -> NumPy ufunc. A list, because MPI.Op objects are not hashable.
@@ -390,8 +392,7 @@ class _GroupState:
         self.leaders = tuple(node[0] for node in layout)
         self.flat = len(layout) == 1
         self.arena = _Arena()
-        self.comm: Any = None
-        self.dup_request: Any = None
+        self.comm = group.comm
         self.active: deque[_AllReduce] = deque()
         self.seq = 0  # operations that have taken their turn
         self.disabled = False
@@ -431,18 +432,7 @@ class _GroupState:
 
     def enqueue(self, op: _AllReduce) -> None:
         """Queue `op` behind the group's operations in flight (started in data order)."""
-        if self.comm is None:
-            # A non-blocking duplicate, posted in the group's data order like a data op.
-            self.comm, self.dup_request = self.group.comm.Idup()
         self.active.append(op)
-
-    def ready(self) -> bool:
-        """True once the duplicate communicator can be used."""
-        if self.dup_request is not None:
-            if not self.dup_request.Test():
-                return False
-            self.dup_request = None
-        return True
 
     def peer_block(self, group_rank: int, info: np.ndarray, which: int) -> np.ndarray:
         """The peer's block named in its descriptor `info`, mapped (cached by block id).
@@ -479,10 +469,8 @@ class _GroupState:
             ]
 
     def free(self) -> None:
-        """Free the communicator and drop the blocks (called when the context closes)."""
-        comm, self.comm = self.comm, None
-        if comm is not None and comm != MPI.COMM_NULL:
-            comm.Free()
+        """Drop the blocks and mappings (called when the context closes)."""
+        self.comm = None
         self.peer_maps.clear()
         self.peer_bytes = 0
         self.peer_controls = []
@@ -516,13 +504,15 @@ def _map_peer(group_rank: int, info: np.ndarray, which: int) -> np.ndarray:
     _WAIT_TURN,
     _GATHER,
     _AGREE,
-    _LEADERS_SCATTER,
-    _LEADERS_GATHER,
-    _BARRIER_READ,
-    _BARRIER_DONE,
-    _FALLBACK,
+    _AGREE_SEND,
+    _SCATTER,
+    _GATHER_SEGMENTS,
+    _READY,
+    _COPIED,
+    _FALLBACK_SCATTER,
+    _FALLBACK_GATHER,
     _DONE,
-) = range(9)
+) = range(11)
 
 
 def _bounds(count: int, parts: int, index: int) -> tuple[int, int]:
@@ -572,8 +562,10 @@ class _AllReduce:
         self.slot: _Block | None = None
         self.infos: np.ndarray | None = None
         self.flag = np.ones(1, np.int64)
-        self.agreed = np.zeros(1, np.int64)
+        self.agreed = np.ones(1, np.int64)
+        self.flags_in: np.ndarray | None = None
         self.scratch: list[np.ndarray] = []
+        self.in_place = False
         self.seq = 0
         self.flags = False
         self.rank = state.group.rank
@@ -585,7 +577,7 @@ class _AllReduce:
         while self.stage != _DONE:
             if self.stage == _WAIT_TURN:
                 state = self.state
-                if state.active[0] is not self or not state.ready():
+                if state.active[0] is not self:
                     return False
                 state.seq += 1
                 self.seq = state.seq
@@ -606,41 +598,31 @@ class _AllReduce:
         return True
 
     def _step(self) -> None:
-        """Run the stage whose requests have completed, and post the next stage's."""
+        """Run the stage whose messages have arrived, and start the next stage's."""
         state = self.state
         stage = self.stage
         if stage == _GATHER:
             self._reduce_locally()
-        elif stage == _AGREE:
-            agreed = int(self.agreed[0])
-            if self.flags:
-                agreed = min([agreed, *(int(c[_C_DONE_OK]) for c in state.peer_controls)])
-            if agreed != 1:
-                state.disabled = True
-                self._fall_back()
-            elif state.flat:
-                if not self.flags and _ORDERED_STORES and state.peer_controls:
-                    # Every rank mapped every control block (that is what was agreed):
-                    # from the next operation on, all synchronize through them.
-                    state.flags = True
-                self._finish()
-            elif self.rank == self.node[0]:
-                self._leaders_scatter()
-            else:
-                self._barrier(_BARRIER_READ)
-        elif stage == _LEADERS_SCATTER:
-            self._leaders_gather()
-        elif stage == _LEADERS_GATHER:
-            self._barrier(_BARRIER_READ)
-        elif stage == _BARRIER_READ:
+        elif stage == _AGREE and not self.flags and self.rank == 0 and state.group.size > 1:
+            self._send_agreement()
+        elif stage in (_AGREE, _AGREE_SEND):
+            self._agreed()
+        elif stage == _SCATTER:
+            self._exchange_gather(state.leaders, _GATHER_SEGMENTS)
+        elif stage == _GATHER_SEGMENTS:
+            self._release_node()
+        elif stage == _READY:
             self._copy_from_leader()
-            self._barrier(_BARRIER_DONE)
-        else:  # _BARRIER_DONE, _FALLBACK
+        elif stage == _FALLBACK_SCATTER:
+            self._exchange_gather(tuple(range(state.group.size)), _FALLBACK_GATHER)
+        else:  # _COPIED, _FALLBACK_GATHER
             self._finish()
 
-    def _barrier(self, stage: int) -> None:
+    def _messages(self, stage: int, requests: list[Any]) -> None:
         self.stage = stage
-        self.request = self.state.comm.Ibarrier()
+        self.requests = requests
+
+    # -- stage 1: copy in, publish -------------------------------------------------------
 
     def _start(self) -> None:
         """Copy the input into this rank's slot and publish the blocks (stage _GATHER)."""
@@ -676,9 +658,17 @@ class _AllReduce:
             control[_C_ARRIVE] = self.seq
             self.infos = info
             self.request = _FlagWait(state.peer_controls, _C_ARRIVE, self.seq)
-        else:
-            self.infos = np.empty((state.group.size, _INFO_LEN), np.int64)
-            self.request = state.comm.Iallgather(info, self.infos)
+            return
+        infos = np.zeros((state.group.size, _INFO_LEN), np.int64)
+        infos[self.rank] = info
+        self.infos = infos
+        comm = state.comm
+        requests = []
+        for peer in self.node:
+            if peer != self.rank:
+                requests.append(comm.Irecv(infos[peer], peer, _TAG_INFO))
+                requests.append(comm.Isend(infos[self.rank], peer, _TAG_INFO))
+        self.requests = requests
 
     def _copy_in(self, slot: _Block) -> None:
         """Everything but the slice this rank reduces itself (peers read only theirs)."""
@@ -687,14 +677,16 @@ class _AllReduce:
         np.copyto(view[:low], self.send[:low])
         np.copyto(view[high:], self.send[high:])
 
+    # -- stage 2: reduce this rank's slice, agree ------------------------------------------
+
     def _gathered(self) -> np.ndarray:
-        """Every rank's descriptor of this operation, one row per group rank."""
+        """The node's descriptors of this operation, one row per group rank."""
         infos = self.infos
         assert infos is not None
         if not self.flags:
             return infos
         state = self.state
-        rows = np.empty((state.group.size, _INFO_LEN), np.int64)
+        rows = np.zeros((state.group.size, _INFO_LEN), np.int64)
         rows[self.rank] = infos
         peers = iter(state.peer_controls)
         for group_rank in self.node:
@@ -704,30 +696,61 @@ class _AllReduce:
         return rows
 
     def _reduce_locally(self) -> None:
-        """Reduce this rank's slice over its node; post the agreement (stage _AGREE)."""
+        """Reduce this rank's slice over its node; start the agreement (stage _AGREE)."""
         state = self.state
         infos = self._gathered()
-        if not infos[:, _OK].all():
-            # Someone has no shared memory: every rank sees it, and all fall back.
-            state.disabled = True
-            self._fall_back()
-            return
-        try:
-            if state.flat and not self.flags and infos[:, _CTL_ID + 3].all():
-                state.map_controls(infos)
-            self._reduce_slice(infos)
-        except (OSError, ValueError):
+        node = list(self.node)
+        if not infos[node, _OK].all():
+            # A node peer has no shared memory: say so; every rank will fall back.
             self.flag[0] = 0
+        else:
+            try:
+                if state.flat and not self.flags and infos[node, _CTL_ID + 3].all():
+                    state.map_controls(infos)
+                self._reduce_slice(infos)
+            except (OSError, ValueError):
+                self.flag[0] = 0
         self.stage = _AGREE
         if self.flags:
             control = state.own_control
             assert control is not None
             control[_C_DONE_OK] = self.flag[0]
             control[_C_DONE] = self.seq
-            self.agreed[0] = self.flag[0]
             self.request = _FlagWait(state.peer_controls, _C_DONE, self.seq)
+            return
+        comm, size = state.comm, state.group.size
+        if self.rank == 0:
+            # The group's first rank collects every flag, then answers with their minimum.
+            self.flags_in = np.ones(size, np.int64)
+            self.requests = [comm.Irecv(self.flags_in[r : r + 1], r, _TAG_FLAG) for r in range(1, size)]
         else:
-            self.request = state.comm.Iallreduce(self.flag, self.agreed, MPI.MIN)
+            self.requests = [comm.Isend(self.flag, 0, _TAG_FLAG), comm.Irecv(self.agreed, 0, _TAG_AGREED)]
+
+    def _send_agreement(self) -> None:
+        assert self.flags_in is not None
+        self.flags_in[0] = self.flag[0]
+        self.agreed[0] = self.flags_in.min()
+        comm = self.state.comm
+        self._messages(_AGREE_SEND, [comm.Isend(self.agreed, r, _TAG_AGREED) for r in range(1, self.state.group.size)])
+
+    def _agreed(self) -> None:
+        state = self.state
+        agreed = int(self.agreed[0])
+        if self.flags:
+            agreed = min([int(self.flag[0]), *(int(c[_C_DONE_OK]) for c in state.peer_controls)])
+        if agreed != 1:
+            state.disabled = True
+            self._fall_back()
+        elif state.flat:
+            if not self.flags and _ORDERED_STORES and state.peer_controls:
+                # Every rank mapped every control block (that is what was agreed): from
+                # the next operation on, all synchronize through them.
+                state.flags = True
+            self._finish()
+        elif self.rank == self.node[0]:
+            self._exchange_scatter(state.leaders, self.out, _SCATTER)
+        else:
+            self._messages(_READY, [state.comm.Irecv(self.flag, self.node[0], _TAG_READY)])
 
     def _array(self, mem: np.ndarray) -> np.ndarray:
         return mem[: self.send.nbytes].view(self.send.dtype)
@@ -755,64 +778,81 @@ class _AllReduce:
             dests = [self._array(state.peer_block(leader, infos[leader], _RES_ID))[low:high]]
         _reduce_pieces(self.ufunc, sources, dests)
 
-    def _leaders_scatter(self) -> None:
-        """Send each leader its segment of this node's sum; receive this leader's (stage _LEADERS_SCATTER)."""
-        comm = self.state.comm
-        leaders = self.state.leaders
-        me = leaders.index(self.rank)
-        count = self.out.size
-        low, high = _bounds(count, len(leaders), me)
-        dtype = self.out.dtype
-        self.scratch = [self.out[:0] if leader == self.rank else np.empty(high - low, dtype) for leader in leaders]
-        requests = []
-        for index, leader in enumerate(leaders):
-            if leader == self.rank:
-                continue
-            requests.append(comm.Irecv([self.scratch[index], self.plan.datatype], leader, _TAG_SCATTER))
-            seg_low, seg_high = _bounds(count, len(leaders), index)
-            requests.append(comm.Isend([self.out[seg_low:seg_high], self.plan.datatype], leader, _TAG_SCATTER))
-        self.stage = _LEADERS_SCATTER
-        self.requests = requests
+    # -- between nodes, and the fallback: all-reduce by point-to-point messages ----------------
 
-    def _leaders_gather(self) -> None:
-        """Reduce this leader's segment in leader order and share it (stage _LEADERS_GATHER)."""
-        comm = self.state.comm
-        leaders = self.state.leaders
-        me = leaders.index(self.rank)
+    def _exchange_scatter(self, ranks: tuple[int, ...], source: np.ndarray, stage: int) -> None:
+        """Send each of `ranks` its segment of `source`; receive this rank's (then gather).
+
+        Segment i of the message belongs to ``ranks[i]``, which reduces it in the order of
+        `ranks`; `source` is this rank's contribution (its node's sum, or its input).
+        """
+        comm, datatype = self.state.comm, self.plan.datatype
+        me = ranks.index(self.rank)
         count = self.out.size
-        low, high = _bounds(count, len(leaders), me)
+        low, high = _bounds(count, len(ranks), me)
+        dtype = self.out.dtype
+        self.scratch = [source[low:high] if peer == self.rank else np.empty(high - low, dtype) for peer in ranks]
+        self.in_place = source is self.out
+        requests = []
+        for index, peer in enumerate(ranks):
+            if peer == self.rank:
+                continue
+            requests.append(comm.Irecv([self.scratch[index], datatype], peer, _TAG_SCATTER))
+            seg_low, seg_high = _bounds(count, len(ranks), index)
+            requests.append(comm.Isend([source[seg_low:seg_high], datatype], peer, _TAG_SCATTER))
+        self._messages(stage, requests)
+
+    def _exchange_gather(self, ranks: tuple[int, ...], stage: int) -> None:
+        """Reduce this rank's segment in the order of `ranks`, and share it with them."""
+        comm, datatype = self.state.comm, self.plan.datatype
+        me = ranks.index(self.rank)
+        count = self.out.size
+        low, high = _bounds(count, len(ranks), me)
         mine = self.out[low:high]
-        parts = [mine if index == me else part for index, part in enumerate(self.scratch)]
-        # Leader order, whoever this leader is: the first part accumulates (it is this
-        # leader's own segment only for leader 0, else a received copy it may overwrite).
-        acc = parts[0]
+        parts = self.scratch
+        # The first part accumulates: a received copy this rank owns, or for the first of
+        # `ranks` its own segment, in place when it is already in `out` (else a copy: the
+        # input is read-only).
+        if me != 0:
+            acc = parts[0]
+        else:
+            acc = mine if self.in_place else np.array(parts[0])
         for part in parts[1:]:
             self.ufunc(acc, part, out=acc)
         if acc is not mine:
             np.copyto(mine, acc)
         requests = []
-        for index, leader in enumerate(leaders):
-            if leader == self.rank:
+        for index, peer in enumerate(ranks):
+            if peer == self.rank:
                 continue
-            seg_low, seg_high = _bounds(count, len(leaders), index)
-            requests.append(comm.Irecv([self.out[seg_low:seg_high], self.plan.datatype], leader, _TAG_GATHER))
-            requests.append(comm.Isend([mine, self.plan.datatype], leader, _TAG_GATHER))
-        self.stage = _LEADERS_GATHER
-        self.requests = requests
+            seg_low, seg_high = _bounds(count, len(ranks), index)
+            requests.append(comm.Irecv([self.out[seg_low:seg_high], datatype], peer, _TAG_GATHER))
+            requests.append(comm.Isend([mine, datatype], peer, _TAG_GATHER))
+        self.scratch = []
+        self._messages(stage, requests)
+
+    def _release_node(self) -> None:
+        """The leader has the result: its node's other ranks may copy it (stage _COPIED)."""
+        comm = self.state.comm
+        requests = []
+        copied = np.empty(len(self.node), np.int64)
+        for index, peer in enumerate(self.node[1:]):
+            requests.append(comm.Isend(self.flag, peer, _TAG_READY))
+            requests.append(comm.Irecv(copied[index : index + 1], peer, _TAG_COPIED))
+        self.scratch = [copied]
+        self._messages(_COPIED, requests)
 
     def _copy_from_leader(self) -> None:
-        """The other ranks of a node copy the result from their leader's block."""
+        """Copy the result from the leader's block, and tell it (stage _COPIED)."""
         leader = self.node[0]
-        if self.rank != leader:
-            assert self.infos is not None
-            source = self._array(self.state.peer_block(leader, self.infos[leader], _RES_ID))
-            np.copyto(self.out, source)
+        assert self.infos is not None
+        source = self._array(self.state.peer_block(leader, self.infos[leader], _RES_ID))
+        np.copyto(self.out, source)
+        self._messages(_COPIED, [self.state.comm.Isend(self.flag, leader, _TAG_COPIED)])
 
     def _fall_back(self) -> None:
-        """A plain ``MPI_Iallreduce`` on the group's duplicate (every rank does the same)."""
-        datatype = self.plan.datatype
-        self.stage = _FALLBACK
-        self.request = self.state.comm.Iallreduce([self.send, datatype], [self.out, datatype], self.plan.mpi_op)
+        """All-reduce `send` by point-to-point messages alone (every rank does the same)."""
+        self._exchange_scatter(tuple(range(self.state.group.size)), self.send, _FALLBACK_SCATTER)
 
     def _finish(self) -> None:
         self.stage = _DONE
