@@ -84,6 +84,7 @@ def run_overlap(
     if unknown:
         raise ValueError(f"unknown variants {unknown}; expected some of {list(VARIANTS)}")
     comm = MPI.COMM_WORLD.Dup()
+    ranks = comm.Get_size()
     timing = Timing(comm, target, reps)
     kernel = _Compute()
     unit = median([timing.batch("unit", lambda: kernel.run(1), warmup=20) for _ in range(reps)])
@@ -159,17 +160,12 @@ def run_overlap(
         }
     return {
         "kind": "overlap",
-        "ranks": comm_size(),
+        "ranks": ranks,
         "sizes": list(sizes),
         "reps": reps,
         "unit_s": unit,
         "variants": result_variants,
     }
-
-
-def comm_size() -> int:
-    """The world's size."""
-    return MPI.COMM_WORLD.Get_size()
 
 
 def _overlap(pure: float, compute: float, overall: float) -> float:
@@ -187,13 +183,9 @@ def _config_text(variant: str) -> str:
 
 
 def _progress_thread_running(ctx: DistributedContext) -> bool | None:
-    """Whether the context says its progress thread is on (None when it cannot tell)."""
-    engine = getattr(ctx, "_engine", None)
-    for name in ("progress_enabled", "progress_thread_enabled", "_progress_enabled"):
-        value = getattr(engine, name, None)
-        if isinstance(value, bool):
-            return value
-    return None
+    """Whether the context runs a progress thread (None when it cannot tell)."""
+    value = getattr(ctx, "progress", None)
+    return value if isinstance(value, bool) else None
 
 
 def format_overlap(result: dict[str, Any], markdown: bool = True) -> str:
