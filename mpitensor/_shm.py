@@ -244,11 +244,15 @@ def shared_memory_post(
     if ufunc is None:
         return None
     out, block = state.lease_result(send.shape, send.dtype, ctx)
+    # With a progress thread, the copies and reductions run there, beside the program's
+    # compute; without one, they start at once, in the call.
+    start_now = getattr(ctx._engine, "progress_thread", None) is None
 
     def post() -> Stepper:
         stepper = _AllReduce(state, send, out, block, ufunc, plan)
         state.enqueue(stepper)
-        stepper.advance()
+        if start_now:
+            stepper.advance()
         return stepper
 
     return SharedMemoryPost(out, post)
