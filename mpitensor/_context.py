@@ -332,6 +332,7 @@ class DistributedContext:
     def _mark_broken(self, reason: str) -> None:
         if self._broken is None:
             self._broken = reason
+            _mpi.note_broken(reason.partition(":")[0])
 
     def _diagnose_wait(self, op: Any, waited: float) -> None:
         """Hook for the deadlock diagnosis while this rank waits (see `_diagnosis`)."""

@@ -35,6 +35,7 @@ __all__ = [
     "finalize_policy",
     "is_owner",
     "library_version",
+    "note_broken",
     "release",
     "thread_level",
     "thread_level_name",
@@ -48,6 +49,7 @@ _finalized_by_us = False
 _defer = os.environ.get("MPITENSOR_FINALIZE", "close").strip().lower() == "exit"
 _atexit_registered = False
 _before_finalize: list[Callable[[], None]] = []
+_broken: str | None = None  # why a collective can never complete, once one cannot
 
 _THREAD_NAMES = {
     MPI.THREAD_SINGLE: "single",
@@ -152,7 +154,25 @@ def _finalize() -> bool:
         return True
 
 
+def note_broken(reason: str) -> None:
+    """Record that a collective can never complete (after a timeout).
+
+    ``MPI_Finalize`` waits for the other ranks, and with a collective stuck in flight it
+    may wait forever; so a process that exits in this state aborts the job instead.
+    """
+    global _broken
+    if _broken is None:
+        _broken = reason
+
+
 def _finalize_at_exit() -> None:
+    if _broken is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        sys.stderr.write(
+            f"[rank {MPI.COMM_WORLD.Get_rank()}] mpitensor: exiting with a collective stuck in flight "
+            f"({_broken}); aborting the job, since MPI cannot be finalized cleanly\n"
+        )
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
     _finalize()
 
 

@@ -114,10 +114,20 @@ _PREAMBLE = """\
 import os as _os
 
 
+def _rank():
+    return _os.environ.get("OMPI_COMM_WORLD_RANK") or _os.environ.get("PMI_RANK") or "0"
+
+
 def report(*parts):
-    rank = _os.environ.get("OMPI_COMM_WORLD_RANK") or _os.environ.get("PMI_RANK") or "0"
-    with open(_os.path.join({directory!r}, "rank" + rank + ".txt"), "a") as _file:
+    with open(_os.path.join({directory!r}, "rank" + _rank() + ".txt"), "a") as _file:
         _file.write(" ".join(str(part) for part in parts) + "\\n")
+
+
+def capture_stderr():
+    # A launcher that kills the job may drop what a rank wrote to stderr last; a file keeps it.
+    import sys as _sys
+
+    _sys.stderr = open(_os.path.join({directory!r}, "stderr" + _rank() + ".txt"), "w", buffering=1)
 
 
 """
@@ -162,7 +172,8 @@ def run_job(script: str, nprocs: int, timeout: float = 60, env: dict[str, str] |
     reports = {
         int(file.stem[4:]): file.read_text().splitlines() for file in directory.glob("rank*.txt")
     }
-    return ChildResult(code, out, err, time.monotonic() - start, reports)
+    captured = "".join(file.read_text() for file in sorted(directory.glob("stderr*.txt")))
+    return ChildResult(code, out, err + captured, time.monotonic() - start, reports)
 
 
 def _kill_group(exc: subprocess.TimeoutExpired) -> None:

@@ -14,6 +14,7 @@ def test_an_exception_on_one_rank_aborts_the_job(tmp_path):
         """
         import numpy as np
         import mpitensor as mt
+        capture_stderr()
         with mt.DistributedContext.init() as ctx:
             if ctx.rank == 1:
                 raise ValueError("boom on rank 1")
@@ -36,6 +37,7 @@ def test_an_exception_outside_a_with_block_aborts_too(tmp_path):
         """
         import numpy as np
         import mpitensor as mt
+        capture_stderr()
         ctx = mt.DistributedContext.init()
         if ctx.rank == 0:
             {}["missing"]

@@ -77,3 +77,29 @@ def test_the_config_and_environment_timeouts(tmp_path):
     assert 1.0 <= float(lines[0].split()[-1]) <= 1.9
     assert 1.5 <= float(lines[1].split()[-1]) <= 2.4
     assert result.returncode != 0
+
+
+def test_exiting_with_a_collective_stuck_aborts_instead_of_hanging_in_finalize(tmp_path):
+    result = run_job(
+        """
+        import time
+        import numpy as np
+        import mpitensor as mt
+        capture_stderr()
+        with mt.DistributedContext.init() as ctx:
+            if ctx.rank == 0:
+                time.sleep(30)  # never joins
+            else:
+                try:
+                    mt.all_reduce(np.ones(4)).resolve(timeout=1)
+                except mt.CollectiveTimeoutError:
+                    report("caught")
+        """,
+        2,
+        timeout=60,
+        tmp_path=tmp_path,
+    )
+    assert result.reported("caught") == ["caught"]
+    assert result.returncode not in (0, 124), result.output
+    assert result.seconds < 20, result.seconds
+    assert "[rank 1] mpitensor: exiting with a collective stuck in flight" in result.stderr
