@@ -3,11 +3,13 @@
 For large host messages, MPI's all-reduce moves every byte through its own buffers several
 times. Here the ranks of a node share memory instead:
 
-1. Each rank copies its input into a *slot* block that its node peers can map (all but the
-   slice it reduces itself), and says where its blocks are.
+1. Each rank copies its input into its *result* block, a block of shared memory its node
+   peers can map (all of it but the slice it reduces itself), and says where the block is.
 2. Local rank k reduces slice k of the message over the node's ranks, in rank order, in
-   cache-sized pieces, and writes the reduced slice straight into every rank's *result* block
-   (flat scheme, all ranks on one node), or into the node leader's (hierarchical scheme).
+   cache-sized pieces, reading slice k of every peer's block, and writes the reduced slice
+   back into slice k of every rank's block (flat scheme, all ranks on one node), or of the
+   node leader's (hierarchical scheme). Nobody else touches slice k, and each piece is
+   read before it is overwritten, so the input copies and the result share one block.
 3. Hierarchical only: the node leaders all-reduce the node sums with point-to-point messages
    (each leader reduces one segment, in leader order, and sends it to the others), then the
    other ranks of each node copy the result from their leader's block.
@@ -33,10 +35,10 @@ engine posts on the same communicator, so no ordering between the two is needed,
 communicator has to be created):
 
 - each rank sends its block descriptors to its node peers after its copy-in (nobody reads a
-  slot before it is written);
+  block before it is written);
 - each rank sends "my part went well" to the group's first rank, which sends back whether
   all went well, after the reduction (nobody returns a result before every slice is in it,
-  nor reuses a slot someone still reads). Ranks that cannot map a peer's memory (other
+  nor reuses a block someone still reads). Ranks that cannot map a peer's memory (other
   containers, no ``/proc``) say so there; every rank then computes that operation with
   point-to-point messages alone, and the group stops using shared memory (every rank
   decides this from the same values).
@@ -101,8 +103,8 @@ _UFUNCS: list[tuple[Any, Any]] = [
 
 # The descriptor each rank publishes per operation (int64 fields): its blocks, each as
 # (id, fd, inode, length) starting at the field named.
-_OK, _PID, _SLOT_ID, _RES_ID, _CTL_ID = 0, 1, 2, 6, 10
-_INFO_LEN = 14
+_OK, _PID, _RES_ID, _CTL_ID = 0, 1, 2, 6
+_INFO_LEN = 10
 # The control block (int64 fields): sequence number of the last operation whose input this
 # rank has published, of the last one whose reduction it has done, whether that went well,
 # and the published descriptor.
@@ -444,7 +446,7 @@ class _GroupState:
         Args:
             group_rank: the peer's rank in the group.
             info: the peer's descriptor.
-            which: ``_SLOT_ID`` or ``_RES_ID``, the block to map.
+            which: where the block's fields start (``_RES_ID``).
 
         Raises:
             OSError: the block cannot be opened or is not the one named.
@@ -563,7 +565,6 @@ class _AllReduce:
         self.stage = _WAIT_TURN
         self.request: Any = None
         self.requests: list[Any] = []
-        self.slot: _Block | None = None
         self.infos: np.ndarray | None = None
         self.flag = np.ones(1, np.int64)
         self.agreed = np.ones(1, np.int64)
@@ -629,20 +630,13 @@ class _AllReduce:
     # -- stage 1: copy in, publish -------------------------------------------------------
 
     def _start(self) -> None:
-        """Copy the input into this rank's slot and publish the blocks (stage _GATHER)."""
+        """Copy the input into this rank's block and publish it (stage _GATHER)."""
         state = self.state
         info = np.zeros(_INFO_LEN, np.int64)
         info[_PID] = state.pid
         ok = self.block is not None
         if ok and len(self.node) > 1:
-            try:
-                self.slot = state.arena.take(self.send.nbytes)
-            except OSError:
-                state.failed_local = True
-                ok = False
-            else:
-                self._copy_in(self.slot)
-                info[_SLOT_ID : _SLOT_ID + 4] = self.slot.describe()
+            self._copy_in()
         if ok:
             block = self.block
             assert block is not None
@@ -674,12 +668,11 @@ class _AllReduce:
                 requests.append(comm.Isend(infos[self.rank], peer, _TAG_INFO))
         self.requests = requests
 
-    def _copy_in(self, slot: _Block) -> None:
+    def _copy_in(self) -> None:
         """Everything but the slice this rank reduces itself (peers read only theirs)."""
-        view = slot.mem[: self.send.nbytes].view(self.send.dtype)
         low, high = _bounds(self.send.size, len(self.node), self.state.local_rank)
-        np.copyto(view[:low], self.send[:low])
-        np.copyto(view[high:], self.send[high:])
+        np.copyto(self.out[:low], self.send[:low])
+        np.copyto(self.out[high:], self.send[high:])
 
     # -- stage 2: reduce this rank's slice, agree ------------------------------------------
 
@@ -768,8 +761,8 @@ class _AllReduce:
             if group_rank == self.rank:
                 sources.append(self.send[low:high])
             else:
-                slot = state.peer_block(group_rank, infos[group_rank], _SLOT_ID)
-                sources.append(self._array(slot)[low:high])
+                block = state.peer_block(group_rank, infos[group_rank], _RES_ID)
+                sources.append(self._array(block)[low:high])
         if state.flat:
             dests = [self.out[low:high]]
             for group_rank in node:
@@ -860,9 +853,6 @@ class _AllReduce:
 
     def _finish(self) -> None:
         self.stage = _DONE
-        if self.slot is not None:
-            self.state.arena.give_back(self.slot)
-            self.slot = None
         self.scratch = []
         self.infos = None
         active = self.state.active
@@ -874,7 +864,8 @@ def _reduce_pieces(ufunc: Any, sources: Sequence[np.ndarray], dests: Sequence[np
     """``dests[i][:] = sources[0] op sources[1] op ...`` (in that order), piece by piece.
 
     The first destination receives the reduction; the others get a copy of each piece
-    while it is still in cache.
+    while it is still in cache. The first destination may be the first source (reduced in
+    place), and the others may be sources: a piece is copied there only after it is reduced.
     """
     count = sources[0].size
     if count == 0:
