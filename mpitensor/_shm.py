@@ -266,7 +266,7 @@ def shared_memory_post(
 class _Block:
     """One ``memfd`` of this rank, mapped; peers map it by (pid, fd) and check the inode."""
 
-    __slots__ = ("address", "fd", "id", "ino", "mem", "nbytes")
+    __slots__ = ("address", "descriptor", "fd", "id", "ino", "mem", "nbytes")
 
     def __init__(self, block_id: int, nbytes: int) -> None:
         fd = os.memfd_create(f"mpitensor-{block_id}", os.MFD_CLOEXEC)
@@ -281,6 +281,7 @@ class _Block:
         self.id = block_id
         self.ino = os.fstat(fd).st_ino
         self.nbytes = nbytes
+        self.descriptor = np.array(self.describe(), np.int64)
 
     def describe(self) -> tuple[int, int, int, int]:
         """(id, fd, inode, length): what a peer needs to map it."""
@@ -410,6 +411,12 @@ class _GroupState:
         self.own_control: np.ndarray | None = None
         self.peer_controls: list[np.ndarray] = []  # the node peers', in rank order
         self.flags = False  # synchronize through the control blocks
+        # Reused by every operation (they run one at a time): the node's descriptors, and
+        # the waits on the peers' control blocks.
+        self.rows = np.zeros((group.size, _INFO_LEN), np.int64)
+        self.node_rows: Any = slice(None) if self.flat else list(self.node)
+        self.arrived = _FlagWait([], _C_ARRIVE, 0)
+        self.done = _FlagWait([], _C_DONE, 0)
 
     def lease_result(
         self, shape: tuple[int, ...], dtype: np.dtype, ctx: DistributedContext
@@ -473,6 +480,7 @@ class _GroupState:
             self.peer_controls = [
                 _map_peer(r, infos[r], _CTL_ID).view(np.int64) for r in self.node if r != self.group.rank
             ]
+            self.arrived.controls = self.done.controls = self.peer_controls
 
     def free(self) -> None:
         """Drop the blocks and mappings (called when the context closes)."""
@@ -632,40 +640,41 @@ class _AllReduce:
     def _start(self) -> None:
         """Copy the input into this rank's block and publish it (stage _GATHER)."""
         state = self.state
-        info = np.zeros(_INFO_LEN, np.int64)
-        info[_PID] = state.pid
-        ok = self.block is not None
-        if ok and len(self.node) > 1:
+        block = self.block
+        if block is not None and len(self.node) > 1:
             self._copy_in()
-        if ok:
-            block = self.block
-            assert block is not None
-            info[_RES_ID : _RES_ID + 4] = block.describe()
-            if state.flat and not state.flags:
-                control = state.control_block()
-                if control is not None:
-                    info[_CTL_ID : _CTL_ID + 4] = control.describe()
-        info[_OK] = int(ok)
         self.stage = _GATHER
         if state.flags:
             # Descriptor first, then the sequence number that tells peers it is there.
             self.flags = True
             control = state.own_control
             assert control is not None
-            control[_C_INFO : _C_INFO + _INFO_LEN] = info
+            control[_C_INFO + _OK] = block is not None
+            if block is not None:
+                control[_C_INFO + _RES_ID : _C_INFO + _RES_ID + 4] = block.descriptor
             control[_C_ARRIVE] = self.seq
-            self.infos = info
-            self.request = _FlagWait(state.peer_controls, _C_ARRIVE, self.seq)
+            state.arrived.seq = self.seq
+            self.request = state.arrived
             return
-        infos = np.zeros((state.group.size, _INFO_LEN), np.int64)
-        infos[self.rank] = info
+        infos = state.rows
+        infos[:] = 0
+        info = infos[self.rank]
+        info[_PID] = state.pid
+        info[_OK] = block is not None
+        if block is not None:
+            info[_RES_ID : _RES_ID + 4] = block.descriptor
+            if state.flat:
+                control = state.control_block()
+                if control is not None:
+                    info[_CTL_ID : _CTL_ID + 4] = control.descriptor
+                    state.own_control[_C_INFO : _C_INFO + _INFO_LEN] = info  # type: ignore[index]
         self.infos = infos
         comm = state.comm
         requests = []
         for peer in self.node:
             if peer != self.rank:
                 requests.append(comm.Irecv(infos[peer], peer, _TAG_INFO))
-                requests.append(comm.Isend(infos[self.rank], peer, _TAG_INFO))
+                requests.append(comm.Isend(info, peer, _TAG_INFO))
         self.requests = requests
 
     def _copy_in(self) -> None:
@@ -678,17 +687,15 @@ class _AllReduce:
 
     def _gathered(self) -> np.ndarray:
         """The node's descriptors of this operation, one row per group rank."""
-        infos = self.infos
-        assert infos is not None
-        if not self.flags:
-            return infos
         state = self.state
-        rows = np.zeros((state.group.size, _INFO_LEN), np.int64)
-        rows[self.rank] = infos
+        if not self.flags:
+            assert self.infos is not None
+            return self.infos
+        rows = state.rows
         peers = iter(state.peer_controls)
         for group_rank in self.node:
-            if group_rank != self.rank:
-                rows[group_rank] = next(peers)[_C_INFO : _C_INFO + _INFO_LEN]
+            source = state.own_control if group_rank == self.rank else next(peers)
+            rows[group_rank] = source[_C_INFO : _C_INFO + _INFO_LEN]  # type: ignore[index]
         self.infos = rows
         return rows
 
@@ -696,7 +703,7 @@ class _AllReduce:
         """Reduce this rank's slice over its node; start the agreement (stage _AGREE)."""
         state = self.state
         infos = self._gathered()
-        node = list(self.node)
+        node = state.node_rows
         if not infos[node, _OK].all():
             # A node peer has no shared memory: say so; every rank will fall back.
             self.flag[0] = 0
@@ -713,7 +720,8 @@ class _AllReduce:
             assert control is not None
             control[_C_DONE_OK] = self.flag[0]
             control[_C_DONE] = self.seq
-            self.request = _FlagWait(state.peer_controls, _C_DONE, self.seq)
+            state.done.seq = self.seq
+            self.request = state.done
             return
         comm, size = state.comm, state.group.size
         if self.rank == 0:
