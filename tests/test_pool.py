@@ -48,3 +48,18 @@ def test_the_cache_is_capped():
     del arrays
     gc.collect()
     assert pool.cached_bytes <= 10_000
+
+
+def test_size_classes_are_quarter_steps_and_serve_nearby_sizes():
+    from mpitensor._pool import size_class
+
+    assert [size_class(n) for n in (65536, 65537, 81920, 81921, 131071)] == [65536, 81920, 81920, 98304, 131072]
+    for n in range(5, 1 << 20, 4099):
+        assert n <= size_class(n) <= n * 1.25
+    pool = HostPool(min_bytes=1024)
+    first = pool.empty((10_000,), np.dtype(np.uint8))
+    address = first.ctypes.data
+    del first
+    gc.collect()
+    second = pool.empty((9_000,), np.dtype(np.uint8))  # another size, the same class
+    assert second.ctypes.data == address and second.shape == (9_000,)
