@@ -40,12 +40,14 @@ started=$(date +%s)
 mpis=${MPT_MPIS:-mpich openmpi}
 run_limit=${RUN_LIMIT:-120}
 failfast_limit=${FAILFAST_LIMIT:-20}
-failfast_extra=${MPT_FAILFAST_EXTRA:-}
+read -r -a failfast_extra <<< "${MPT_FAILFAST_EXTRA:-}"
 mib=${MPT_MIB:-8}
 logs=logs/cluster/multihost
 
 skip() { echo "test-multihost: SKIP: $*"; exit 0; }
 say() { echo "test-multihost: $*"; }
+# The words joined by ", ".
+join() { local IFS=,; local joined="$*"; echo "${joined//,/, }"; }
 
 [ "$(uname -s)" = Linux ] || skip "needs Linux network namespaces"
 [ "$(id -u)" = 0 ] || skip "needs root (ip netns, veth links, unshare)"
@@ -134,6 +136,7 @@ say "hosts ${host_list} (namespaces *$sfx, bridge in $switch)"
 
 # The command prefix that runs a command on the first host: in its namespace, under its host
 # name, with this environment (as a user's shell on that host would be).
+# shellcheck disable=SC2016 # "$0" and "$@" expand in the inner shell, on purpose
 on_first_host=(ip netns exec "${hosts[0]}$sfx" unshare --uts sh -c 'hostname "$0" && exec "$@"' "${hosts[0]}")
 
 # Bytes received by the bridge from all hosts so far.
@@ -150,6 +153,7 @@ launch() {
   local mpi=$1 log=$2
   shift 2
   local py="$root/.venv-$mpi/bin/python" transport=()
+  # shellcheck disable=SC2054 # the commas belong to the option values
   if [ "$mpi" = mpich ]; then
     transport=(-genv UCX_TLS tcp,self -genv UCX_NET_DEVICES eth0)
   else
@@ -169,9 +173,9 @@ fail() { failures+=("$1"); say "FAIL $1"; }
 # Stragglers are a failure (a real cluster would keep them), and are stopped so the next
 # run starts clean.
 no_leftovers() {
-  local what=$1 host pids tries
+  local what=$1 host pids
   for host in "${hosts[@]}"; do
-    for tries in 1 2 3 4 5 6; do
+    for _ in 1 2 3 4 5 6; do
       pids=$(ip netns pids "$host$sfx" || true)
       [ -n "$pids" ] || break
       sleep 0.5
@@ -229,7 +233,7 @@ EOF
   no_leftovers "$mpi info"
   sed 's/^/    /' "$log"
   info_ok=1
-  summary="$nranks rank(s) on ${#hosts[@]} host(s): $(IFS=,; echo "${hosts[*]}" | sed 's/,/, /g')"
+  summary="$nranks rank(s) on ${#hosts[@]} host(s): $(join "${hosts[@]}")"
   if [ "$status" != 0 ] || ! grep -qF "$summary" "$log"; then
     fail "$mpi info: exit $status or no line '$summary'"
     info_ok=0
@@ -246,7 +250,7 @@ EOF
       ranks+=("$rank") locals+=("$local")
       rank=$((rank + 1))
     done
-    line="  ${hosts[$i]}: rank(s) $(IFS=,; echo "${ranks[*]}" | sed 's/,/, /g'); local rank(s) $(IFS=,; echo "${locals[*]}" | sed 's/,/, /g');"
+    line="  ${hosts[$i]}: rank(s) $(join "${ranks[@]}"); local rank(s) $(join "${locals[@]}");"
     if ! grep -qF "$line" "$log"; then
       fail "$mpi info: no per-host line '$line'"
       info_ok=0
@@ -257,7 +261,7 @@ EOF
   # failfast: rank 3 is the second rank of mpt-h2
   log="$logs/$mpi-failfast.log"
   t0=$(date +%s)
-  if launch "$mpi" "$log" scripts/cluster/cluster_check.py --fail-on-rank 3 $failfast_extra; then status=0; else status=$?; fi
+  if launch "$mpi" "$log" scripts/cluster/cluster_check.py --fail-on-rank 3 "${failfast_extra[@]}"; then status=0; else status=$?; fi
   took=$(( $(date +%s) - t0 ))
   if [ "$status" = 0 ] || [ "$took" -gt "$failfast_limit" ]; then
     fail "$mpi failfast: exit $status after $took s (expected non-zero within ${failfast_limit} s)"

@@ -19,7 +19,8 @@
 #      `slurmd -C`, ProctrackType=proctrack/linuxproc, TaskPlugin=task/none, and four
 #      placeholder GPUs (gres.conf File= character devices made with mknod), so the
 #      script's --gpus-per-task=1 is honoured and Slurm binds a GPU per task;
-#   3. submits, all at once with `sbatch --wait --overcommit` (they run one after another):
+#   3. submits, all at once with `sbatch --wait --overcommit --exclusive` (the node is one
+#      job's at a time, so the jobs run one after another, as on a busy cluster):
 #      cluster_check.py (scripts/cluster) for MPICH and Open MPI, each via srun
 #      (--mpi=pmi2 / --mpi=pmix) and via the MPI's mpiexec inside the allocation; a job
 #      whose rank 2 raises, per MPI via srun, which must fail within FAILFAST_LIMIT s with
@@ -72,40 +73,61 @@ tmp=$(mktemp -d /tmp/mpt-slurm.XXXXXX)
 chmod 755 "$tmp"  # munged wants every directory above its socket searchable by all
 pids=()
 
-# Every process below `pid` (slurmd's job steps), deepest last.
-descendants() {
-  local child
-  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
-    echo "$child"
-    descendants "$child"
+# The processes of this cluster's jobs: slurmstepd and the tasks. slurmd daemonizes its
+# steps, so they are not its children; they are found by the SLURM_CONF they inherit,
+# which names this run's temp dir, together with a job id (the test's own shells have none).
+job_processes() {
+  local dir pid env
+  for dir in /proc/[0-9]*; do
+    pid=${dir#/proc/}
+    env=$(tr '\0' '\n' < "$dir/environ" 2>/dev/null) || continue
+    grep -qxF "SLURM_CONF=$SLURM_CONF" <<< "$env" || continue
+    if grep -q '^SLURM_JOB_ID=' <<< "$env" || [ "$(cat "$dir/comm" 2>/dev/null)" = slurmstepd ]; then
+      echo "$pid"
+    fi
   done
 }
 
+# True while `pid` runs (a zombie, exited but not yet reaped, does not count).
+running() {
+  [ -e "/proc/$1" ] && [ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]
+}
+
+# TERM, up to 10 s of grace, then KILL; reap those that are this shell's children.
 stop_pids() {
-  local pid tries
+  local pid
   [ $# -gt 0 ] || return 0
   kill -TERM "$@" 2>/dev/null || true
-  for tries in $(seq 20); do
+  for _ in $(seq 20); do
     for pid in "$@"; do
-      if kill -0 "$pid" 2>/dev/null; then sleep 0.5; continue 2; fi
+      if running "$pid"; then sleep 0.5; continue 2; fi
     done
-    return 0
+    break
   done
   kill -KILL "$@" 2>/dev/null || true
+  wait "$@" 2>/dev/null || true
 }
 
 cleanup() {
-  local status=$? jobs steps
+  local status=$? jobs left
   trap - EXIT INT TERM
   if [ -n "${SLURM_CONF:-}" ] && [ -f "$SLURM_CONF" ]; then
     jobs=$(timeout 10 squeue -h -o %i 2>/dev/null || true)
-    # shellcheck disable=SC2086 # one job id per word
-    [ -z "$jobs" ] || timeout 10 scancel $jobs 2>/dev/null || true
+    if [ -n "$jobs" ]; then
+      # shellcheck disable=SC2086 # one job id per word
+      timeout 10 scancel $jobs 2>/dev/null || true
+      for _ in $(seq 30); do
+        [ -z "$(timeout 5 squeue -h -o %i 2>/dev/null)" ] && break
+        sleep 0.5
+      done
+    fi
+    mapfile -t left < <(job_processes)
+    if [ ${#left[@]} -gt 0 ]; then
+      echo "test-slurm: cleanup: stopping leftover job processes: ${left[*]}" >&2
+      stop_pids "${left[@]}"
+    fi
   fi
-  steps=()
-  [ -z "${slurmd_pid:-}" ] || mapfile -t steps < <(descendants "$slurmd_pid")
   stop_pids "${pids[@]}"
-  [ ${#steps[@]} -eq 0 ] || stop_pids "${steps[@]}"
   if [ -d "$tmp" ]; then
     mkdir -p "$logs"
     cp "$tmp"/log/* "$logs"/ 2>/dev/null || true
@@ -137,6 +159,10 @@ for _ in range(2):
 print(*(s.getsockname()[1] for s in found))
 ')
 
+# Job ids unique to this run: MPICH names its shared memory after the PMI job (under srun,
+# job id and step), and a job that aborts leaves its segments in /dev/shm, so a later job with
+# the same id on this machine (another run of this test) would attach to stale memory.
+first_job_id=$(( ((RANDOM << 15) | RANDOM) % 60000000 + 1000 ))
 node_line=$(slurmd -C | head -n 1)
 node=$(sed -E 's/^NodeName=([^ ]+).*/\1/' <<< "$node_line")
 cpus=$(sed -E 's/.* CPUs=([0-9]+).*/\1/' <<< "$node_line")
@@ -154,6 +180,7 @@ EOF
 cat > "$tmp/slurm.conf" <<EOF
 # Written by scripts/test-slurm.sh for one test run; removed when it ends.
 ClusterName=mpt$$
+FirstJobId=$first_job_id
 SlurmctldHost=$node(127.0.0.1)
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
@@ -189,8 +216,7 @@ export SLURM_CONF="$tmp/slurm.conf"
 slurmctld -D -f "$SLURM_CONF" > "$tmp/log/slurmctld.log" 2>&1 &
 pids+=($!)
 slurmd -D -f "$SLURM_CONF" -N "$node" > "$tmp/log/slurmd.log" 2>&1 &
-slurmd_pid=$!
-pids+=("$slurmd_pid")
+pids+=($!)
 state=""
 for _ in $(seq 60); do
   state=$(sinfo -h -n "$node" -o %T 2>/dev/null || true)
@@ -224,7 +250,7 @@ submit() {
   # shellcheck disable=SC2086 # the program and its arguments are word-split on purpose
   MPITENSOR_VENV="$root/.venv-$mpi" MPITENSOR_LAUNCH="$launch" MPITENSOR_MPIEXEC_ARGS="$mpiexec_args" \
     MPITENSOR_TIMEOUT=60 timeout -k 5 "$job_limit" \
-    sbatch --wait --overcommit --job-name="mpt-$name" --output="$tmp/out/$name.out" \
+    sbatch --wait --overcommit --exclusive --time=3 --job-name="mpt-$name" --output="$tmp/out/$name.out" \
     scripts/slurm/mpitensor.sbatch $program > "$tmp/out/$name.sbatch" 2>&1
 }
 
@@ -238,6 +264,13 @@ say "submitted ${#jobs[@]} job(s) with sbatch --wait; waiting"
 wait "${waiters[@]}" || true
 
 # -- the verdicts ---------------------------------------------------------------------------
+if grep -qx 124 "$tmp"/out/*.rc; then
+  # A job outlived its limit: show what its processes were doing before cleanup ends them.
+  say "jobs still queued or running after $job_limit s:"
+  timeout 10 squeue -o '%.6i %.20j %.9T %.10M %R' || true
+  mapfile -t left < <(job_processes)
+  [ ${#left[@]} -eq 0 ] || ps -o pid,ppid,stat,etime,wchan:20,args -p "$(IFS=,; echo "${left[*]}")" || true
+fi
 mkdir -p "$logs"
 rm -f "$logs"/*.out
 failures=()

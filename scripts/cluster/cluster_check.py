@@ -359,24 +359,26 @@ def measure_bandwidth(ctx: mt.DistributedContext, args: argparse.Namespace, figu
     nbytes = int(args.mib * 2**20)
     hosts = hosts_in_order(ctx.hosts)
     peer = ranks_of(ctx, hosts[1])[0] if len(hosts) > 1 else (1 if ctx.size > 1 else 0)
-    message = np.full(nbytes // 8, float(ctx.rank), np.float64)
+    message = np.full(nbytes // 8, float(ctx.rank + 1), np.float64)
     verdict: Verdict = (True, "")
     mt.barrier()
     if peer != 0 and ctx.rank in (0, peer):
         other = peer if ctx.rank == 0 else 0
+        # Each side sends its own tensor and checks the other's: the reply is not the
+        # received tensor sent back, so a fault in one direction cannot hide in the other.
         payload = mt.from_numpy(message)
         for i in range(args.iterations + 2):  # two warm-up round trips, untimed
             if i == 2:
                 start = time.perf_counter()
             if ctx.rank == 0:
                 mt.send(payload, other, tag=1).resolve()
-                echo = mt.recv(source=other, tag=2).resolve()
+                got = mt.recv(source=other, tag=2).resolve()
             else:
-                echo = mt.recv(source=other, tag=1).resolve()
-                mt.send(echo, other, tag=2).resolve()
+                got = mt.recv(source=other, tag=1).resolve()
+                mt.send(payload, other, tag=2).resolve()
         seconds = (time.perf_counter() - start) / (2 * args.iterations)
-        if ctx.rank == 0 and not exact(echo.numpy(), message):
-            verdict = (False, "ping-pong echo differs from what was sent")
+        if not exact(got.numpy(), np.full(nbytes // 8, float(other + 1), np.float64)):
+            verdict = (False, f"ping-pong: the message from rank {other} arrived altered")
         figures["pingpong"] = {
             "ranks": [0, peer], "hosts": [ctx.hosts[0], ctx.hosts[peer]], "bytes": nbytes,
             "seconds_one_way": seconds, "mib_per_s": nbytes / 2**20 / seconds,
