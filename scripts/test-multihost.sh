@@ -258,21 +258,34 @@ EOF
   done
   [ "$info_ok" = 0 ] || say "$mpi info: every host and local rank listed"
 
-  # failfast: rank 3 is the second rank of mpt-h2
-  log="$logs/$mpi-failfast.log"
-  t0=$(date +%s)
-  if launch "$mpi" "$log" scripts/cluster/cluster_check.py --fail-on-rank 3 "${failfast_extra[@]}"; then status=0; else status=$?; fi
-  took=$(( $(date +%s) - t0 ))
-  if [ "$status" = 0 ] || [ "$took" -gt "$failfast_limit" ]; then
-    fail "$mpi failfast: exit $status after $took s (expected non-zero within ${failfast_limit} s)"
-    tail -n 30 "$log"
-  elif ! grep -q "\[rank 3\].*deliberate failure on rank 3 (host mpt-h2)" "$log"; then
-    fail "$mpi failfast: no traceback of rank 3 on mpt-h2 in $log"
-    tail -n 30 "$log"
-  else
-    say "$mpi failfast: rank 3 on mpt-h2 raised, job ended with exit $status after $took s"
-  fi
-  no_leftovers "$mpi failfast"
+  # failfast: rank 3 is the second rank of mpt-h2. The job must end, non-zero and soon, every
+  # time. Its traceback must reach mpiexec's output too, but a launcher can lose the stderr
+  # of a rank that aborts (seen with MPICH's Hydra about once in 30 runs: no output at all),
+  # so a run that ended correctly but shows nothing is repeated once before it counts.
+  for attempt in 1 2; do
+    log="$logs/$mpi-failfast.log"
+    t0=$(date +%s)
+    if launch "$mpi" "$log" scripts/cluster/cluster_check.py --fail-on-rank 3 "${failfast_extra[@]}"; then
+      status=0
+    else
+      status=$?
+    fi
+    took=$(( $(date +%s) - t0 ))
+    no_leftovers "$mpi failfast"
+    if [ "$status" = 0 ] || [ "$took" -gt "$failfast_limit" ]; then
+      fail "$mpi failfast: exit $status after $took s (expected non-zero within ${failfast_limit} s)"
+      tail -n 30 "$log"
+    elif grep -q "\[rank 3\].*deliberate failure on rank 3 (host mpt-h2)" "$log"; then
+      say "$mpi failfast: rank 3 on mpt-h2 raised, job ended with exit $status after $took s"
+    elif [ "$attempt" = 1 ]; then
+      say "$mpi failfast: job ended with exit $status after $took s, but no output of rank 3 reached mpiexec ($(wc -l < "$log") line(s)); once more"
+      continue
+    else
+      fail "$mpi failfast: twice no traceback of rank 3 on mpt-h2 in $log"
+      tail -n 30 "$log"
+    fi
+    break
+  done
 
   # demo
   if [ -f examples/data_parallel.py ]; then
