@@ -7,7 +7,7 @@
 #   make bench BENCH_TORCH=           no torch (the gloo column is skipped, with a note)
 # torch==2.13.0 matches the CPU wheel this project is measured with; from PyPI other
 # platforms may fetch a CUDA build of it (large). Any torch version works for the baseline.
-.PHONY: bench bench-venv bench-report
+.PHONY: bench bench-venv bench-report bench-doc
 
 BENCH_VENV ?= .venv-bench-$(MPI)
 BENCH_OUT ?= bench-results
@@ -31,3 +31,9 @@ bench: bench-venv
 
 bench-report:
 	$(BENCH_VENV)/bin/python -m mpitensor.bench report $(BENCH_OUT)/*.json
+
+# The body of BENCHMARKS.md: the targets, then every run's machine, tables and plots (the
+# plots are drawn from the JSON into docs/benchmarks/).
+bench-doc:
+	$(BENCH_VENV)/bin/python -m mpitensor.bench report $(BENCH_OUT)/*.json --plots docs/benchmarks \
+	  -o $(BENCH_OUT)/BENCHMARKS-body.md
