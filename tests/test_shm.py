@@ -420,6 +420,6 @@ with mt.DistributedContext.init(config=config) as ctx:
 def test_waiting_on_a_later_operation_still_progresses_shared_memory(tmp_path, progress):
     # MPI_Wait on the second operation progresses the first inside MPI; the shared-memory
     # steps only run when the engine does, so waiting must keep driving them.
-    result = run_job(_ORDER_JOB.format(progress=progress), 2, timeout=60, tmp_path=tmp_path)
+    result = run_job(_ORDER_JOB.format(progress=progress), 2, timeout=20, tmp_path=tmp_path)
     assert result.returncode == 0, result.output
     assert len(result.reported("done")) == 2, result.output
