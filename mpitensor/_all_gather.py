@@ -44,6 +44,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
         from ._gpu_path import gpu_all_gather
 
         return gpu_all_gather(ctx, source, group, axis)
+    protections = source.guard(ctx)
     array = source.buffer if source.buffer.ndim else source.buffer.reshape(1)
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"all_gather: axis must be an int, got {type(axis).__name__}")
@@ -86,7 +87,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
         lambda: later.value,
         record=record,
         keep=(send,),
-        protections=source.protect(),
+        protections=protections,
         exchange=True,
         compare=ctx._config.check,
     )

@@ -74,10 +74,10 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     if array.nbytes <= SMALL_BYTES and not plan.rounds_back:
         return _small(ctx, source, reduce_op, plan, group)
     if plan.work_dtype != source.buffer.dtype:
-        send = source.buffer.astype(plan.work_dtype)
+        source.buffer = source.buffer.astype(plan.work_dtype)
         source.copied = True
-    else:
-        send = source.buffer
+    protections = source.guard(ctx)
+    send = source.buffer
     fast = shared_memory_post(ctx, group, send, plan)  # the intra-node fast path, or None
     if fast is None:
         out, final = reduction_buffers(ctx, array.shape, plan)
@@ -104,7 +104,7 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         finish,
         record=record,
         keep=(send, out, final),
-        protections=source.protect(),
+        protections=protections,
     )
     return start(ctx, collective, result)
 

@@ -41,6 +41,7 @@ def all_to_all(input: Any, *, devices: DevicesArg = None) -> CollectiveTensor:  
         from ._gpu_path import gpu_all_to_all
 
         return gpu_all_to_all(ctx, source, group)
+    protections = source.guard(ctx)
     array = source.buffer
     problem, _ = blocks_or_problem(array.shape, group.size, "all_to_all")
     out = ctx._pool.empty(array.shape, array.dtype)
@@ -61,6 +62,6 @@ def all_to_all(input: Any, *, devices: DevicesArg = None) -> CollectiveTensor:  
         lambda: result,
         record=record,
         keep=(array, out),
-        protections=source.protect(),
+        protections=protections,
     )
     return start(ctx, op, result)

@@ -17,7 +17,7 @@ from ._context import DevicesArg, DistributedContext
 from ._dtypes import transfer_dtype
 from ._engine import COMPLETE, FAILED, Group, Op
 from ._errors import ContextClosedError, DeviceError
-from ._protect import Protection
+from ._protect import Protection, restorable
 from ._tensor import Tensor
 
 __all__ = ["CollectiveTensor", "Input", "Later", "run_barrier", "take_input", "timeout_arg"]
@@ -169,11 +169,22 @@ class Input:
         self.copied = copied
         self.on_gpu = on_gpu
 
-    def protect(self) -> tuple[Protection, ...]:
-        """Protect the input from writes while MPI reads it (nothing for a copy)."""
+    def guard(self, ctx: DistributedContext) -> tuple[Protection, ...]:
+        """Keep the input from changing while MPI reads it; call before using `buffer`.
+
+        The input is made read-only for the time being, or, where NumPy could not make it
+        writable again afterwards (memory some other object exposes), `buffer` becomes a
+        private copy. A copy needs nothing.
+        """
         if self.copied:
             return ()
-        return (Protection(self.tensor, self.array),)
+        array = self.array
+        if type(array) is np.ndarray and array.flags.writeable and not restorable(array):
+            self.buffer = ctx._pool.empty(array.shape, array.dtype)
+            np.copyto(self.buffer, array)
+            self.copied = True
+            return ()
+        return (Protection(self.tensor, array),)
 
 
 _PLAIN = frozenset(

@@ -10,6 +10,7 @@ non-zero exit.
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from types import TracebackType
 
@@ -67,5 +68,8 @@ def _excepthook(
         sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        # MPICH's Hydra kills every rank as soon as one aborts; give its proxy a moment to
+        # forward what this rank just wrote, which it otherwise loses now and then.
+        time.sleep(0.2)
     finally:
         MPI.COMM_WORLD.Abort(1)

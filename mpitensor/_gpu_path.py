@@ -442,7 +442,7 @@ def gpu_all_reduce(
         finish,
         record=record,
         keep=(send, out, final, *keep),
-        protections=source.protect(),
+        protections=source.guard(ctx),
     )
     return start(ctx, op, result)
 

@@ -81,6 +81,7 @@ def send(input: Any, dest: int | Device, *, tag: int = 0) -> CollectiveTensor:  
         from ._gpu_path import gpu_send
 
         return gpu_send(ctx, source, peer, tag)
+    protections = source.guard(ctx)
     data = source.buffer
     header = _header(data.shape, data.dtype)
     comm, datatype = ctx._p2p.comm, mpi_datatype(data.dtype)
@@ -95,7 +96,7 @@ def send(input: Any, dest: int | Device, *, tag: int = 0) -> CollectiveTensor:  
         post,
         lambda: None,
         keep=(header, data),
-        protections=source.protect(),
+        protections=protections,
     )
     return start(ctx, op, None)
 

@@ -13,12 +13,15 @@ that event is done, and allocates another block rather than wait.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
+
+from ._pool import leased_array, make_lease
 
 __all__ = ["Allocator", "PinnedBlock", "PinnedBuffer", "PinnedPool", "pinned_pool"]
 
@@ -50,13 +53,21 @@ class PinnedBlock:
         free: frees the memory (called once, with `ptr`).
     """
 
-    __slots__ = ("_free", "nbytes", "pending", "ptr")
+    __slots__ = ("_free", "_memory", "nbytes", "pending", "ptr")
 
     def __init__(self, ptr: int, nbytes: int, free: Callable[[int], None]) -> None:
         self.ptr = ptr
         self.nbytes = nbytes
         self._free: Callable[[int], None] | None = free
         self.pending: Event | None = None  # GPU work that still uses the block
+        self._memory: np.ndarray | None = None
+
+    @property
+    def memory(self) -> np.ndarray:
+        """A writable uint8 array over the whole block (made once)."""
+        if self._memory is None:
+            self._memory = np.frombuffer((ctypes.c_ubyte * self.nbytes).from_address(self.ptr), np.uint8)
+        return self._memory
 
     @property
     def ready(self) -> bool:
@@ -83,30 +94,6 @@ class PinnedBlock:
             pass
 
 
-class _Lease:
-    """Owns a lent block; arrays made from it refer to it, so it lives as long as they do."""
-
-    __slots__ = ("__array_interface__", "block", "pool")
-
-    def __init__(self, pool: PinnedPool, block: PinnedBlock, nbytes: int) -> None:
-        self.pool: PinnedPool | None = pool
-        self.block = block
-        self.__array_interface__ = {
-            "data": (block.ptr, False),
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
-
-    def give_back(self) -> None:
-        pool, self.pool = self.pool, None
-        if pool is not None:
-            pool._give_back(self.block)
-
-    def __del__(self) -> None:
-        self.give_back()
-
-
 class PinnedBuffer:
     """A pinned block lent out, with a NumPy array over it.
 
@@ -119,18 +106,18 @@ class PinnedBuffer:
         array: the NumPy array over the pinned memory.
     """
 
-    __slots__ = ("_lease", "array")
+    __slots__ = ("_block", "_lease", "array")
 
     def __init__(self, pool: PinnedPool, block: PinnedBlock, shape: tuple[int, ...], dtype: np.dtype) -> None:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        self._lease = _Lease(pool, block, nbytes)
-        raw: np.ndarray = np.asarray(self._lease)
-        self.array: np.ndarray = raw.view(dtype).reshape(shape)
+        self._block = block
+        self._lease = make_lease(block.memory, pool, block)
+        self.array: np.ndarray = leased_array(self._lease, nbytes, shape, dtype)
 
     @property
     def ptr(self) -> int:
         """The address of the first byte."""
-        return self._lease.block.ptr
+        return self._block.ptr
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +131,7 @@ class PinnedBuffer:
             event: recorded on the stream right after the last queued work that reads or
                 writes the block; None when no GPU work uses it.
         """
-        self._lease.block.pending = event
+        self._block.pending = event
 
     def release(self, event: Event | None = None) -> None:
         """Give the block back to the pool now (idempotent).
@@ -154,8 +141,10 @@ class PinnedBuffer:
                 pool lends the block again only once it is done.
         """
         if event is not None:
-            self._lease.block.pending = event
-        self._lease.give_back()
+            self._block.pending = event
+        owner = self._lease.__dict__.pop("_owner", None)
+        if owner is not None:
+            owner._give_back(self._block)
 
 
 class PinnedPool:

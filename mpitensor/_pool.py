@@ -16,28 +16,48 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HostPool", "size_class"]
+__all__ = ["HostPool", "Lease", "lease_view", "leased_array", "make_lease", "size_class"]
 
 
-class _Lease:
-    """The owner of one pooled block while it is out; arrays made from it refer to it.
+class Lease(np.ndarray):
+    """A view of one lent block; its end gives the block back to its owner.
 
-    Its ``__array_interface__`` describes the array handed out (shape and dtype), so one
-    ``numpy.asarray`` builds it; NumPy makes the lease the base of that array and of every
-    view of it, so the block comes back only when the last of them is gone.
+    An ndarray subclass, because NumPy stops collapsing chains of views at a subclass: it
+    stays the base of the array handed out and of every view of it, so it dies (and the
+    block returns) only when the last of them is gone. The arrays handed out are plain
+    ndarrays over plain ndarray memory, so NumPy lets their write flag be turned off and
+    on again (collectives protect their inputs that way); arrays built from an
+    ``__array_interface__`` object would refuse to become writable again.
     """
 
-    __slots__ = ("__array_interface__", "_block", "_pool")
-
-    def __init__(self, pool: HostPool, block: tuple[np.ndarray, int], interface: dict[str, Any]) -> None:
-        self._pool = pool
-        self._block = block
-        self.__array_interface__ = interface
-
     def __del__(self) -> None:
-        pool = self._pool
-        if pool is not None:
-            pool._give_back(self._block)
+        owner = self.__dict__.get("_owner")  # only the lease itself, not views of it
+        if owner is not None:
+            owner._give_back(self.__dict__["_token"])
+
+
+def make_lease(memory: np.ndarray, owner: Any, token: Any) -> Lease:
+    """A lease over `memory` (a writable uint8 ndarray over one block, made once per block).
+
+    When the lease and every array made from it are gone, ``owner._give_back(token)`` is
+    called; popping ``_owner`` from the lease's ``__dict__`` first cancels that (for owners
+    that take blocks back explicitly).
+    """
+    lease = memory.view(Lease)
+    lease._owner = owner
+    lease._token = token
+    return lease
+
+
+def leased_array(lease: Lease, nbytes: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A plain ndarray of `shape` and `dtype` over the first `nbytes` of `lease`."""
+    return np.asarray(lease[:nbytes]).view(dtype).reshape(shape)
+
+
+def lease_view(memory: np.ndarray, nbytes: int, shape: tuple[int, ...], dtype: np.dtype, owner: Any,
+               token: Any) -> np.ndarray:
+    """An array over the first `nbytes` of `memory`, lent by `owner` (see `make_lease`)."""
+    return leased_array(make_lease(memory, owner, token), nbytes, shape, dtype)
 
 
 def size_class(nbytes: int) -> int:
@@ -64,8 +84,7 @@ class HostPool:
     def __init__(self, min_bytes: int = 64 << 10, max_cached_bytes: int = 256 << 20) -> None:
         self.min_bytes = min_bytes
         self.max_cached_bytes = max_cached_bytes
-        # size -> free blocks, each (array, its address)
-        self._free: OrderedDict[int, list[tuple[np.ndarray, int]]] = OrderedDict()
+        self._free: OrderedDict[int, list[np.ndarray]] = OrderedDict()  # size -> free blocks
         self._cached = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -89,20 +108,11 @@ class HostPool:
                 block = None
                 self.misses += 1
         if block is None:
-            array = np.empty(size, np.uint8)
-            block = (array, array.ctypes.data)
-        address = block[1]
-        if dtype.kind in "biufc":
-            # Plain numbers: one array-interface read builds the final array.
-            interface = {"data": (address, False), "shape": tuple(shape), "typestr": dtype.str, "version": 3}
-            return np.asarray(_Lease(self, block, interface))
-        # Other dtypes (bfloat16, ...) have no faithful typestr: hand out bytes and view them.
-        interface = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-        raw: np.ndarray = np.asarray(_Lease(self, block, interface))
-        return raw.view(dtype).reshape(shape)
+            block = np.empty(size, np.uint8)
+        return lease_view(block, nbytes, tuple(shape), dtype, self, block)
 
-    def _give_back(self, block: tuple[np.ndarray, int]) -> None:
-        nbytes = block[0].nbytes
+    def _give_back(self, block: np.ndarray) -> None:
+        nbytes = block.nbytes
         with self._lock:
             if nbytes > self.max_cached_bytes:
                 return

@@ -16,11 +16,34 @@ import numpy as np
 
 from ._tensor import Tensor
 
-__all__ = ["Protection"]
+__all__ = ["Protection", "restorable"]
 
 _lock = threading.Lock()
 # id(array) -> [array, count, was_writeable]; the array is held so its id stays unique.
 _locked: dict[int, list[Any]] = {}
+
+
+def restorable(array: np.ndarray) -> bool:
+    """True if NumPy will let `array` become writable again after it was made read-only.
+
+    NumPy's rule: an array that owns its memory may; otherwise the chain of its bases is
+    followed, and a writable array on it, or a final object with a writable buffer, allows
+    it. Memory another object exposes through ``__array_interface__`` alone does not.
+    """
+    if array.base is None or array.flags.owndata:
+        return True
+    base = array.base
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return True
+        if base.base is None or base.flags.owndata:
+            return False
+        base = base.base
+    try:
+        with memoryview(base) as view:
+            return not view.readonly
+    except TypeError:
+        return False
 
 
 class Protection:

@@ -62,10 +62,11 @@ def reduce(
         return gpu_reduce(ctx, source, reduce_op, group, root_at)
     plan = reduce_plan(reduce_op, source.buffer.dtype)
     array = source.array
-    send = source.buffer
-    if plan.work_dtype != send.dtype:
-        send = send.astype(plan.work_dtype)
+    if plan.work_dtype != source.buffer.dtype:
+        source.buffer = source.buffer.astype(plan.work_dtype)
         source.copied = True
+    protections = source.guard(ctx)
+    send = source.buffer
     is_root = root_at == ctx.rank
     out, final = reduction_buffers(ctx, array.shape, plan) if is_root else (None, None)
     result = Tensor(final, result_device(ctx, source)) if final is not None else None
@@ -84,6 +85,6 @@ def reduce(
     record = check_record(ctx, group, Record("reduce", reduce_op, array.dtype, array.shape, root_at, group.members))
     collective = Op(
         "reduce", group, array.nbytes, post, finish, record=record, keep=(send, out, final),
-        protections=source.protect(),
+        protections=protections,
     )
     return start(ctx, collective, result)

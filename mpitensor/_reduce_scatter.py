@@ -86,10 +86,11 @@ def reduce_scatter(
     # A bad shape is raised when the data is posted, after the check: ranks that
     # disagree on the shape then get the mismatch error instead of some of them leaving.
     problem, block_shape = blocks_or_problem(array.shape, group.size, "reduce_scatter")
-    send = source.buffer
-    if plan.work_dtype != send.dtype:
-        send = send.astype(plan.work_dtype)
+    if plan.work_dtype != source.buffer.dtype:
+        source.buffer = source.buffer.astype(plan.work_dtype)
         source.copied = True
+    protections = source.guard(ctx)
+    send = source.buffer
     out, final = reduction_buffers(ctx, block_shape, plan)
     result = Tensor(final, result_device(ctx, source))
     comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
@@ -112,6 +113,6 @@ def reduce_scatter(
         finish,
         record=record,
         keep=(send, out, final),
-        protections=source.protect(),
+        protections=protections,
     )
     return start(ctx, collective, result)

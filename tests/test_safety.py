@@ -23,24 +23,36 @@ def _late_rank_zero(config: mt.DistributedConfig) -> mt.DistributedContext:
     return ctx
 
 
+BIG = 1 << 16  # 512 KiB of float64: protected in flight, not copied
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_numpy_input_is_read_only_while_in_flight():
     with _late_rank_zero(mt.DistributedConfig(check=False)) as ctx:
-        data = np.arange(6.0)
+        data = np.arange(float(BIG))
         pending = mt.all_reduce(data)
         if ctx.rank != 0:
             assert not pending.done
             with pytest.raises(ValueError, match="read-only"):
                 data[0] = 100.0
         result = pending.resolve()
-        np.testing.assert_array_equal(result.numpy(), np.arange(6.0) * ctx.size)
+        np.testing.assert_array_equal(result.numpy(), np.arange(float(BIG)) * ctx.size)
         data[0] = 100.0  # writable again once MPI is done
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_small_input_is_copied_so_writing_it_cannot_change_the_result():
+    with _late_rank_zero(mt.DistributedConfig(check=False)) as ctx:
+        data = np.arange(6.0)
+        pending = mt.all_reduce(data)
+        data[:] = 100.0  # allowed at once: the collective reads its own copy
+        np.testing.assert_array_equal(pending.resolve().numpy(), np.arange(6.0) * ctx.size)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_a_tensor_input_refuses_writes_while_in_flight():
     with _late_rank_zero(mt.DistributedConfig(check=False)) as ctx:
-        data = mt.arange(4, dtype=np.float64)
+        data = mt.arange(BIG, dtype=np.float64)
         pending = mt.all_reduce(data)
         if ctx.rank != 0:
             assert not pending.done
@@ -51,10 +63,10 @@ def test_a_tensor_input_refuses_writes_while_in_flight():
             with pytest.raises(ValueError, match="read-only"):
                 data.numpy()[1] = 7.0
         result = pending.resolve()
-        np.testing.assert_array_equal(result.numpy(), np.arange(4.0) * ctx.size)
+        np.testing.assert_array_equal(result.numpy(), np.arange(float(BIG)) * ctx.size)
         data[0] = 5.0
         data += 1
-        assert data.numpy().tolist() == [6.0, 2.0, 3.0, 4.0]
+        assert data.numpy()[:4].tolist() == [6.0, 2.0, 3.0, 4.0]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -69,6 +81,30 @@ def test_assume_resolved_output_refuses_writes_until_complete():
             early[0] = 2.0
         assert pending.resolve() is early
         early[0] = 2.0
+
+
+def test_results_fed_back_as_inputs(ctx):
+    # Pooled results are ordinary arrays: protecting them in flight and releasing them works.
+    first = mt.all_reduce(np.ones(BIG)).resolve()
+    second = mt.all_reduce(first).resolve()
+    third = mt.all_reduce(second.numpy(), "max").resolve()
+    np.testing.assert_array_equal(third.numpy(), np.full(BIG, float(ctx.size) ** 2))
+    first[0] = 0.0
+    second.numpy()[0] = 0.0
+
+
+def test_inputs_over_memory_numpy_cannot_make_writable_again_are_copied(ctx):
+    class Foreign:
+        def __init__(self, array):
+            self.keep = array
+            self.__array_interface__ = array.__array_interface__
+
+    backing = np.ones(BIG)
+    foreign = np.asarray(Foreign(backing))
+    result = mt.all_reduce(foreign).resolve()
+    np.testing.assert_array_equal(result.numpy(), np.full(BIG, float(ctx.size)))
+    assert foreign.flags.writeable
+    foreign[0] = 2.0
 
 
 def test_an_input_that_was_read_only_stays_read_only(ctx):

@@ -63,3 +63,15 @@ def test_bad_peers_and_tags(module_ctx):
         mt.send(np.ones(1), (ctx.rank + 1) % ctx.size, tag=-1)
     with pytest.raises(TypeError, match="recv needs source="):
         mt.recv()
+
+
+def test_ping_pong_sends_back_what_it_received(module_ctx):
+    ctx = module_ctx
+    big = 1 << 15  # large enough to be protected in flight, not copied
+    if ctx.rank == 0:
+        mt.send(np.arange(float(big)), 1).resolve()
+        back = mt.recv(source=1).resolve()
+        np.testing.assert_array_equal(back.numpy(), np.arange(float(big)))
+    elif ctx.rank == 1:
+        mt.send(mt.recv(source=0).resolve(), 0).resolve()
+    mt.barrier()
