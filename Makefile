@@ -14,7 +14,9 @@ venv:
 demo: venv
 	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python examples/data_parallel.py
 
-test: test-openmpi test-mpich lint
+# The suite on both MPIs at 1-4 ranks, lint, then the cluster tests (a real Slurm, several
+# hosts made of network namespaces), which skip with a message where they cannot run.
+test: lint test-openmpi test-mpich test-cluster
 
 test-openmpi:
 	@scripts/make-venv.sh .venv-openmpi openmpi
