@@ -21,7 +21,7 @@
 #   --ssh PROG         how to reach the other hosts, instead of ssh (Open MPI
 #                      --prtemca plm_ssh_agent PROG, MPICH -launcher ssh -launcher-exec PROG)
 # Anything else goes to mpiexec unchanged. Inside a Slurm allocation, prefer srun or
-# scripts/slurm/mpitensor.sbatch (see docs/cluster.md).
+# scripts/slurm/mpitensor.sbatch (see README.md, "Running on a cluster").
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${VENV:-$root/.venv}
