@@ -432,9 +432,10 @@ class Engine:
             The op's error, if it failed.
         """
         if op.state < COMPLETE:
-            if op.state == POSTED and timeout is None and op.stepper is None and not self.waiting_groups:
-                # Nothing is queued anywhere, so no peer waits for this rank to post: a
-                # blocking wait inside MPI is safe, and the fastest.
+            if op.state == POSTED and timeout is None and not self.waiting_groups and not self._stepping():
+                # Nothing is queued anywhere and no step-driven op is in flight, so no peer
+                # waits for this rank to post or to step: a blocking wait inside MPI (which
+                # progresses every MPI request) is safe, and the fastest.
                 with self.lock:
                     if op.state == POSTED and not self.waiting_groups:
                         requests = op.requests
@@ -449,6 +450,10 @@ class Engine:
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
+
+    def _stepping(self) -> bool:
+        """True if an op driven by steps (not by MPI alone) is in flight."""
+        return any(posted.stepper is not None for posted in self.posted)
 
     def wait_posted(self, op: Op, timeout: float | None) -> None:
         """Block until `op`'s data is posted (or it completed or failed)."""

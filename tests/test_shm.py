@@ -414,8 +414,6 @@ with mt.DistributedContext.init(config=config) as ctx:
 
 
 @pytest.mark.subprocess
-@pytest.mark.xfail(reason="Engine.wait blocks in MPI_Waitall, holding the engine lock, while a Stepper is in "
-                   "flight; it must take that fast path only when no posted op has a stepper", strict=False)
 @pytest.mark.parametrize("progress", [False, True])
 def test_waiting_on_a_later_operation_still_progresses_shared_memory(tmp_path, progress):
     # MPI_Wait on the second operation progresses the first inside MPI; the shared-memory
