@@ -106,6 +106,22 @@ def group_state(ctx, members=None):
     return group.extra.get("shared_memory")
 
 
+@pytest.fixture(params=["direct", "copy"])
+def reads(request, monkeypatch):
+    """How ranks read their peers' inputs: directly (process_vm_readv, where the kernel
+    allows it) or from the copies in shared memory."""
+    if request.param == "copy":
+        monkeypatch.setattr(_shm, "_readv", False)
+    return request.param
+
+
+def check_reads(ctx, reads: str) -> None:
+    """After the first operation every rank has decided how it reads (the same way)."""
+    state = group_state(ctx)
+    assert state.cma is False if reads == "copy" else state.cma in (True, False)
+    assert len(set(ctx.comm.allgather(state.cma))) == 1
+
+
 def pseudo_nodes(monkeypatch, size: int) -> None:
     """Split this host's ranks into nodes of `size` ranks: runs the hierarchical scheme."""
     monkeypatch.setenv("MPITENSOR_SHM_NODE_SIZE", str(size))
@@ -118,12 +134,15 @@ def pseudo_nodes(monkeypatch, size: int) -> None:
 @pytest.mark.parametrize("count", COUNTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
-def test_equals_plain_path_and_reference(op, dtype, count):
+def test_equals_plain_path_and_reference(op, dtype, count, reads):
     seed = seed_of("flat", op.name, np.dtype(dtype).name, count)
     with mt.DistributedContext.init(config=FAST) as ctx:
         inputs = [exact_input(seed, r, (count,), dtype, op) for r in range(ctx.size)]
         fast = reduce_fast(ctx, inputs[ctx.rank], op)
+        again = reduce_fast(ctx, inputs[ctx.rank], op)  # the first operation decides how to read
+        np.testing.assert_array_equal(fast, again)
         assert not group_state(ctx).disabled
+        check_reads(ctx, reads)
         fast = np.array(fast)
     with mt.DistributedContext.init(config=PLAIN) as ctx:
         plain = mt.all_reduce(mt.tensor(inputs[ctx.rank]), op).resolve()
@@ -155,15 +174,17 @@ def test_all_reduce_takes_the_fast_path_above_the_small_message_size(op):
 @mpi
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", [OP.SUM, OP.MEAN, OP.PROD], ids=lambda o: o.name)
-def test_floats_identical_on_every_rank(op, dtype):
-    count = (1 << 17) + 5
+def test_floats_identical_on_every_rank(op, dtype, reads):
+    count = (1 << 19) + 5  # several pieces per slice
     seed = seed_of("noisy", op.name, np.dtype(dtype).name)
     with mt.DistributedContext.init(config=FAST) as ctx:
         inputs = [noisy_input(seed, r, (count,), dtype) for r in range(ctx.size)]
-        result = np.array(mt.all_reduce(inputs[ctx.rank], op).resolve())
-        assert same_on_every_rank(ctx.comm, result)
-        # Each element is reduced once, in rank order: exactly NumPy's sequential result.
-        np.testing.assert_array_equal(result, reference(op, inputs))
+        for _ in range(2):
+            result = np.array(mt.all_reduce(inputs[ctx.rank], op).resolve())
+            assert same_on_every_rank(ctx.comm, result)
+            # Each element is reduced once, in rank order: exactly NumPy's sequential result.
+            np.testing.assert_array_equal(result, reference(op, inputs))
+        check_reads(ctx, reads)
 
 
 @mpi
@@ -216,7 +237,7 @@ def test_sub_groups(kind):
 @pytest.mark.mpi(min_size=3)
 @pytest.mark.parametrize("node_size", [1, 2, 3])
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
-def test_hierarchical_equals_reference(monkeypatch, op, node_size):
+def test_hierarchical_equals_reference(monkeypatch, op, node_size, reads):
     pseudo_nodes(monkeypatch, node_size)
     seed = seed_of("hier", op.name, node_size)
     with mt.DistributedContext.init(config=FAST) as ctx:
@@ -238,6 +259,7 @@ def test_hierarchical_equals_reference(monkeypatch, op, node_size):
         assert same_on_every_rank(ctx.comm, result)
         np.testing.assert_allclose(result, reference(op, noisy), rtol=1e-4, atol=1e-3)
         assert not group_state(ctx).disabled
+        check_reads(ctx, reads)
 
 
 @pytest.mark.mpi(min_size=4)
@@ -374,6 +396,23 @@ def test_a_rank_that_cannot_map_a_peer_makes_every_rank_fall_back(monkeypatch):
         assert group_state(ctx).disabled  # on every rank: they all saw the same agreement
         again = mt.all_reduce(inputs[ctx.rank], OP.MAX).resolve()
         np.testing.assert_array_equal(np.array(again), reference(OP.MAX, inputs))
+
+
+@mpi
+def test_a_failed_direct_read_makes_every_rank_fall_back(monkeypatch):
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        inputs = [exact_input(5, r, (300001,), np.float32, OP.SUM) for r in range(ctx.size)]
+        np.testing.assert_array_equal(np.array(mt.all_reduce(inputs[ctx.rank]).resolve()), reference(OP.SUM, inputs))
+        if not group_state(ctx).cma:
+            pytest.skip("the kernel does not let ranks read each other's memory here")
+        if ctx.rank == 0:
+            def refuse(self, key):
+                raise OSError(1, "simulated: process_vm_readv not permitted")
+
+            monkeypatch.setattr(_shm._Remote, "__getitem__", refuse)
+        result = mt.all_reduce(inputs[ctx.rank]).resolve()
+        np.testing.assert_array_equal(np.array(result), reference(OP.SUM, inputs))
+        assert group_state(ctx).disabled
 
 
 @mpi
