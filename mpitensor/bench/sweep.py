@@ -8,6 +8,8 @@ For every size (float32 sum), in the same run and interleaved round by round:
 - ``mt_checked``: the same with the consistency check on (the default configuration);
 - ``mt_plain``: check off and ``shared_memory=False``: the wrapper's cost over the very
   same ``MPI_Iallreduce``;
+- ``mt_noprogress``: check off and ``progress=False`` (the other mt variants run the default,
+  a progress thread where MPI provides ``MPI_THREAD_MULTIPLE``);
 - ``pickle``: mpi4py's pickle-based ``comm.allreduce`` of the NumPy array;
 - ``gloo``: ``torch.distributed.all_reduce`` on the gloo backend (when torch is installed);
 - ``memcpy``: one ``numpy.copyto`` of the message on each rank: the memory floor.
@@ -42,12 +44,13 @@ from ._common import (
 
 __all__ = ["LABELS", "VARIANTS", "format_sweep", "plot_sweep", "run_sweep"]
 
-VARIANTS = ("raw", "mt", "mt_checked", "mt_plain", "pickle", "gloo", "memcpy")
+VARIANTS = ("raw", "mt", "mt_checked", "mt_plain", "mt_noprogress", "pickle", "gloo", "memcpy")
 LABELS = {
     "raw": "raw mpi4py Iallreduce+Wait",
     "mt": "mpitensor all_reduce+resolve (check off)",
     "mt_checked": "mpitensor all_reduce+resolve (check on)",
     "mt_plain": "mpitensor, check off, shared memory off",
+    "mt_noprogress": "mpitensor, check off, progress thread off",
     "pickle": "mpi4py pickle allreduce",
     "gloo": "torch.distributed gloo all_reduce",
     "memcpy": "memory copy (floor)",
@@ -56,6 +59,7 @@ _CONFIGS = {
     "mt": DistributedConfig(check=False),
     "mt_checked": DistributedConfig(check=True),
     "mt_plain": DistributedConfig(check=False, shared_memory=False),
+    "mt_noprogress": DistributedConfig(check=False, progress=False),
 }
 
 
@@ -188,10 +192,11 @@ def _rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     factor = busbw_factor(result["ranks"])
     raw, mt = _column(result, "raw"), _column(result, "mt")
     checked, plain = _column(result, "mt_checked"), _column(result, "mt_plain")
+    noprogress = _column(result, "mt_noprogress")
     pickle, gloo, memcpy = _column(result, "pickle"), _column(result, "gloo"), _column(result, "memcpy")
     header = [
         "size", "raw us", "mt us", "mt/raw", "checked us", "checked/raw", "plain us", "plain/raw",
-        "pickle us", "pickle/mt", "gloo us", "gloo/mt", "memcpy us",
+        "no-progress us", "no-progress/raw", "pickle us", "pickle/mt", "gloo us", "gloo/mt", "memcpy us",
         "raw busbw GB/s", "mt busbw GB/s", "mt/raw busbw",
     ]
 
@@ -215,6 +220,8 @@ def _rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             ratio(div(at(checked, i), t_raw)),
             us(at(plain, i)),
             ratio(div(at(plain, i), t_raw)),
+            us(at(noprogress, i)),
+            ratio(div(at(noprogress, i), t_raw)),
             us(at(pickle, i)),
             ratio(div(at(pickle, i), t_mt)),
             us(at(gloo, i)),
@@ -235,7 +242,8 @@ def format_sweep(result: dict[str, Any], markdown: bool = True) -> str:
         f"All-reduce, float32 sum, {result['ranks']} ranks; median of {result['reps']} rounds of the "
         "slowest rank's mean time per call.",
         "mt: mpitensor check off (shared-memory path where it applies); checked: check on; "
-        "plain: check off, shared memory off. x/raw: time ratio to raw mpi4py Iallreduce+Wait "
+        "plain: check off, shared memory off; no-progress: check off, progress thread off (the "
+        "others run the default, a progress thread). x/raw: time ratio to raw mpi4py Iallreduce+Wait "
         "(lower is better); pickle/mt and gloo/mt: how many times faster mt is. "
         "busbw = size/time x 2(n-1)/n. Each result is dropped before the next call (raw reuses "
         "its receive buffer).",
