@@ -196,6 +196,14 @@ def node_layout(ctx: DistributedContext, group: Group) -> tuple[tuple[int, ...],
     return tuple(layout)
 
 
+def _cpu_count() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _ufunc_for(mpi_op: Any) -> Any:
     for candidate, ufunc in _UFUNCS:
         if candidate == mpi_op:
@@ -506,8 +514,9 @@ class _GroupState:
         # the waits on the peers' control blocks.
         self.rows = np.zeros((group.size, _INFO_LEN), np.int64)
         self.node_rows: Any = slice(None) if self.flat else list(self.node)
-        self.arrived = _FlagWait([], _C_ARRIVE, 0)
-        self.done = _FlagWait([], _C_DONE, 0)
+        oversubscribed = len(self.node) > _cpu_count()
+        self.arrived = _FlagWait([], _C_ARRIVE, 0, oversubscribed)
+        self.done = _FlagWait([], _C_DONE, 0, oversubscribed)
 
     def lease_result(
         self, shape: tuple[int, ...], dtype: np.dtype, ctx: DistributedContext
@@ -641,17 +650,26 @@ class _FlagWait:
     It quacks like an MPI request (``Test()``), so `_AllReduce.advance` waits on either.
     """
 
-    __slots__ = ("controls", "field", "seq")
+    __slots__ = ("controls", "field", "seq", "yield_cpu")
 
-    def __init__(self, controls: list[np.ndarray], field: int, seq: int) -> None:
+    def __init__(self, controls: list[np.ndarray], field: int, seq: int, yield_cpu: bool = False) -> None:
         self.controls = controls
         self.field = field
         self.seq = seq
+        self.yield_cpu = yield_cpu
 
     def Test(self) -> bool:  # noqa: N802 - the name of MPI.Request.Test
-        """True once every peer has reached the sequence number."""
+        """True once every peer has reached the sequence number.
+
+        With more ranks than cores, a peer that is behind may be waiting for this very CPU:
+        then a miss gives the CPU away at once rather than after the engine's spins.
+        """
         field, seq = self.field, self.seq
-        return all(control[field] >= seq for control in self.controls)
+        if all(control[field] >= seq for control in self.controls):
+            return True
+        if self.yield_cpu:
+            os.sched_yield()
+        return False
 
 
 class _AllReduce:
