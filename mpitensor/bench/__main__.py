@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.files:
         _parser().error("file arguments belong to 'report'")
     from .. import _mpi, defer_finalize
-    from ._common import format_size, machine, parse_size, parse_sizes, write_json, write_text
+    from ._common import format_size, load_average, machine, parse_size, parse_sizes, write_json, write_text
     from .fused import format_fused, run_fused
     from .overlap import format_overlap, plot_overlap, run_overlap
     from .report import format_targets
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             written.append(path)
     if rank == 0:
         run["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        info["load_after"] = load_average()
         path = os.path.join(args.out, f"{name}.json")
         write_json(path, run)
         written.append(path)

@@ -164,8 +164,17 @@ def machine(comm: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         "command": " ".join([os.path.basename(sys.executable), "-m", "mpitensor.bench", *sys.argv[1:]]),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MPITENSOR_")},
+        "load_before": load_average(),
     }
     return info
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the system does not say)."""
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _mpi_version() -> str:
@@ -309,4 +318,4 @@ def size_axis(axis: Any, sizes: Sequence[int]) -> None:
     axis.grid(True, which="both", alpha=0.3)
 
 
-__all__ += ["markdown_table", "median", "ratio", "size_axis", "text_table", "us", "gbps"]
+__all__ += ["load_average", "markdown_table", "median", "ratio", "size_axis", "text_table", "us", "gbps"]

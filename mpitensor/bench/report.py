@@ -194,7 +194,8 @@ def format_runs(runs: Sequence[dict[str, Any]], plots: str | None = None) -> str
             f"hosts {', '.join(machine.get('hosts', []))}; {machine.get('mpi_library', '')}; thread level "
             f"{machine.get('thread_level', '?')}; Python {machine.get('python', '?')}, NumPy "
             f"{machine.get('numpy', '?')}, mpi4py {machine.get('mpi4py', '?')}. Run {run.get('started', '?')} to "
-            f"{run.get('finished', '?')}: `mpiexec -n {machine.get('ranks', '?')} {machine.get('command', '')}`.\n"
+            f"{run.get('finished', '?')}: `mpiexec -n {machine.get('ranks', '?')} {machine.get('command', '')}`; "
+            f"load average (1/5/15 min) {machine.get('load_before')} before, {machine.get('load_after')} after.\n"
         )
         for kind, formatter, plotter in (
             ("sweep", format_sweep, plot_sweep),
