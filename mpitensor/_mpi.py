@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -154,11 +155,16 @@ def _finalize() -> bool:
         return True
 
 
+FINALIZE_GRACE = 10.0  # seconds MPI_Finalize may take at exit with a collective stuck
+
+
 def note_broken(reason: str) -> None:
     """Record that a collective can never complete (after a timeout).
 
-    ``MPI_Finalize`` waits for the other ranks, and with a collective stuck in flight it
-    may wait forever; so a process that exits in this state aborts the job instead.
+    At exit, ``MPI_Finalize`` waits for the other ranks. If they exit too (a test suite
+    that provoked the timeout on purpose), it completes; if a peer is stuck for good, it
+    would wait forever, so an alarm then ends this process after `FINALIZE_GRACE`
+    seconds, and the launcher ends the job.
     """
     global _broken
     if _broken is None:
@@ -166,13 +172,20 @@ def note_broken(reason: str) -> None:
 
 
 def _finalize_at_exit() -> None:
-    if _broken is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+    if _broken is not None and _owner and MPI.Is_initialized() and not MPI.Is_finalized():
+        # MPI_Finalize runs holding the GIL, so no Python code can watch it; the alarm's
+        # default action ends the process in the kernel, and a rank killed by a signal
+        # makes either launcher end the job.
         sys.stderr.write(
-            f"[rank {MPI.COMM_WORLD.Get_rank()}] mpitensor: exiting with a collective stuck in flight "
-            f"({_broken}); aborting the job, since MPI cannot be finalized cleanly\n"
+            f"[rank {MPI.COMM_WORLD.Get_rank()}] mpitensor: finalizing MPI with a collective stuck in flight "
+            f"({_broken}); if the other ranks do not finalize within {FINALIZE_GRACE:g} s, this process "
+            "ends (SIGALRM) and the launcher ends the job\n"
         )
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        signal.alarm(int(FINALIZE_GRACE))
+        _finalize()
+        signal.alarm(0)
+        return
     _finalize()
 
 

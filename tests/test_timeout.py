@@ -79,7 +79,7 @@ def test_the_config_and_environment_timeouts(tmp_path):
     assert result.returncode != 0
 
 
-def test_exiting_with_a_collective_stuck_aborts_instead_of_hanging_in_finalize(tmp_path):
+def test_exiting_with_a_collective_stuck_ends_the_job_instead_of_hanging_in_finalize(tmp_path):
     result = run_job(
         """
         import time
@@ -102,4 +102,30 @@ def test_exiting_with_a_collective_stuck_aborts_instead_of_hanging_in_finalize(t
     assert result.reported("caught") == ["caught"]
     assert result.returncode not in (0, 124), result.output
     assert result.seconds < 20, result.seconds
-    assert "[rank 1] mpitensor: exiting with a collective stuck in flight" in result.stderr
+    assert "[rank 1] mpitensor: finalizing MPI with a collective stuck in flight" in result.stderr
+
+
+def test_a_provoked_timeout_does_not_spoil_a_clean_exit(tmp_path):
+    # As in a test suite: the late rank does join later, and everyone exits normally.
+    result = run_job(
+        """
+        import time
+        import numpy as np
+        import mpitensor as mt
+        mt.defer_finalize()
+        with mt.DistributedContext.init() as ctx:
+            if ctx.rank == 1:
+                try:
+                    mt.all_reduce(np.ones(4)).resolve(timeout=1)
+                except mt.CollectiveTimeoutError:
+                    report("caught")
+        with mt.DistributedContext.init() as ctx:
+            report("sum", mt.all_reduce(np.ones(2)).resolve().numpy().tolist())
+        """,
+        2,
+        timeout=60,
+        tmp_path=tmp_path,
+    )
+    assert result.reported("caught") == ["caught"]
+    assert result.reported("sum") == ["sum [2.0, 2.0]"] * 2
+    assert result.returncode == 0, result.output
