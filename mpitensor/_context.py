@@ -91,7 +91,6 @@ class DistributedContext:
         self._closed = False
         self._broken: str | None = None
         self._groups: dict[tuple[int, ...], Group] = {}
-        self._comms: list[Any] = []
         if len(members) == world_size:
             comm = world.Dup()
         else:
@@ -259,7 +258,10 @@ class DistributedContext:
             return
         if self._broken is None:
             self._engine.drain(self._timeout)
-            self._stop_progress()
+        # A broken context keeps its communicators (a collective stuck on them is still in
+        # flight), but its progress thread has nothing left to do.
+        self._stop_progress()
+        if self._broken is None:
             self._free()
         self._closed = True
         remaining = _state.pop(self)
@@ -303,7 +305,7 @@ class DistributedContext:
 
     def _mpi_handles(self) -> list[Any]:
         """Every communicator the context created (for checks that close() frees them)."""
-        comms = [self._diag_comm, self._local_comm, self._comm, self._p2p.comm, *self._comms]
+        comms = [self._diag_comm, self._local_comm, self._comm, self._p2p.comm]
         for group in self._groups.values():
             comms += [group.comm, group.check_comm, group.detail_comm]
         return comms
@@ -315,10 +317,9 @@ class DistributedContext:
         for group in self._groups.values():
             group.free()
         self._groups.clear()
-        for comm in (self._diag_comm, self._local_comm, self._comm, *self._comms):
+        for comm in (self._diag_comm, self._local_comm, self._comm):
             if comm != MPI.COMM_NULL:
                 comm.Free()
-        self._comms.clear()
 
     def _ensure_open(self) -> None:
         if self._closed:

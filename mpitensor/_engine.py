@@ -195,7 +195,6 @@ class Engine:
         self.lock = threading.RLock()
         self.posted: list[Op] = []  # ops whose data is in flight
         self.waiting_groups: set[Group] = set()  # groups with a non-empty queue
-        self.completed = 0
         self.progress_thread: ProgressThread | None = None
 
     # -- starting ----------------------------------------------------------------------
@@ -370,7 +369,8 @@ class Engine:
         op.stepper = None
         if op.protections:
             self._release(op)
-        op.keep = ()
+        else:
+            op.keep = ()
         try:
             op.result = op.finish() if op.finish is not None else None
         except BaseException as exc:
@@ -378,7 +378,6 @@ class Engine:
             op.state = FAILED
             return
         op.state = COMPLETE
-        self.completed += 1
 
     def _release(self, op: Op) -> None:
         protections, op.protections = op.protections, ()
@@ -416,10 +415,6 @@ class Engine:
     def busy(self) -> bool:
         """True if anything is in flight or queued."""
         return bool(self.posted or self.waiting_groups)
-
-    def pending_count(self) -> int:
-        """How many ops are queued or in flight."""
-        return len(self.posted) + sum(len(g.queue) for g in self.waiting_groups)
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -501,7 +496,7 @@ class Engine:
             what = op.describe()
             stage = "its consistency check" if op.state == CHECKING else f"the data ({op.state_name})"
         else:
-            pending = [o for o in self.posted] + [o for g in self.waiting_groups for o in g.queue]
+            pending = list(self.posted) + [o for g in self.waiting_groups for o in g.queue]
             what = ", ".join(o.describe() for o in pending[:4]) or "nothing"
             stage = "close()"
         message = (
