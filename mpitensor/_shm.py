@@ -343,9 +343,9 @@ def shared_memory_post(
     if ufunc is None:
         return None
     out, block = state.lease_result(send.shape, send.dtype, ctx)
-    # With a progress thread, the copies and reductions run there, beside the program's
-    # compute; without one, they start at once, in the call.
-    start_now = getattr(ctx._engine, "progress_thread", None) is None
+    # With a progress thread and a core to spare, the copies and reductions run there,
+    # beside the program's compute; otherwise they start at once, in the call.
+    start_now = state.oversubscribed or getattr(ctx._engine, "progress_thread", None) is None
 
     def post() -> Stepper:
         stepper = _AllReduce(state, send, out, block, ufunc, plan)
@@ -514,9 +514,9 @@ class _GroupState:
         # the waits on the peers' control blocks.
         self.rows = np.zeros((group.size, _INFO_LEN), np.int64)
         self.node_rows: Any = slice(None) if self.flat else list(self.node)
-        oversubscribed = len(self.node) > _cpu_count()
-        self.arrived = _FlagWait([], _C_ARRIVE, 0, oversubscribed)
-        self.done = _FlagWait([], _C_DONE, 0, oversubscribed)
+        self.oversubscribed = len(self.node) >= _cpu_count()  # no core left for another thread
+        self.arrived = _FlagWait([], _C_ARRIVE, 0, len(self.node) > _cpu_count())
+        self.done = _FlagWait([], _C_DONE, 0, len(self.node) > _cpu_count())
 
     def lease_result(
         self, shape: tuple[int, ...], dtype: np.dtype, ctx: DistributedContext
