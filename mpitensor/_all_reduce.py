@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from . import _state
 from ._check import Record
 from ._collective import (
     CollectiveTensor,
-    Input,
     check_record,
     context_for,
     finish_reduction,
@@ -20,6 +21,7 @@ from ._collective import (
 )
 from ._config import ReduceOperation, parse_op
 from ._context import DevicesArg, DistributedContext
+from ._device import Device
 from ._dtypes import ReducePlan, reduce_plan
 from ._engine import Group, Op
 from ._mpi import MPI
@@ -57,6 +59,24 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         CollectiveMismatchError: the ranks disagree on shape, dtype, op or group.
         NoContextError, ContextClosedError, ContextBrokenError: no usable context.
     """
+    # The common small call (a contiguous host array or tensor, every rank, a usable
+    # context) goes straight to `_small`: at 8 bytes, per-call overhead is the whole cost.
+    stack = _state._open
+    kind = type(input)
+    if stack and devices is None and (kind is np.ndarray or kind is Tensor):
+        ctx = stack[-1]
+        array = input if kind is np.ndarray else input._array
+        if (
+            type(array) is np.ndarray
+            and array.nbytes <= SMALL_BYTES
+            and array.flags.c_contiguous
+            and not ctx._closed
+            and ctx._broken is None
+        ):
+            plan = reduce_plan(ctx._config.all_reduce_op if op is None else parse_op(op), array.dtype)
+            if not plan.rounds_back:
+                device = ctx._cpu_device if kind is np.ndarray else input._device
+                return _small(ctx, array, device, op, plan, ctx._full)
     ctx = context_for("all_reduce")
     if isinstance(input, (list, tuple, dict)):
         from ._fused import fused_all_reduce
@@ -72,7 +92,7 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     plan = reduce_plan(reduce_op, source.buffer.dtype)
     array = source.array
     if array.nbytes <= SMALL_BYTES and not plan.rounds_back:
-        return _small(ctx, source, reduce_op, plan, group)
+        return _small(ctx, source.buffer, result_device(ctx, source), reduce_op, plan, group)
     if plan.work_dtype != source.buffer.dtype:
         source.buffer = source.buffer.astype(plan.work_dtype)
         source.copied = True
@@ -109,30 +129,25 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     return start(ctx, collective, result)
 
 
-def _small(ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, plan: ReducePlan,
-           group: Group) -> CollectiveTensor:
-    """A small all-reduce: the input is copied (cheaper than protecting it) and reduced in place."""
-    array = source.array
-    out = np.empty(array.shape, plan.work_dtype)
-    np.copyto(out, source.buffer, casting="unsafe")
-    result = Tensor(out, result_device(ctx, source))
+def _small(ctx: DistributedContext, array: np.ndarray, device: Device, op: ReduceOperation | str | None,
+           plan: ReducePlan, group: Group) -> CollectiveTensor:
+    """A small all-reduce: the input is copied (cheaper than protecting it) and reduced in place.
+
+    Small messages are where per-call overhead shows, so an unchecked one whose group has
+    nothing queued is posted here directly, without the engine's general path.
+    """
+    out = array.astype(plan.work_dtype)  # always a copy
+    result = Tensor(out, device)
     comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
-
-    def post() -> list[Any]:
-        return [comm.Iallreduce(MPI.IN_PLACE, [out, datatype], mpi_op)]
-
-    if plan.divide:
-
-        def finish() -> Tensor:
-            np.true_divide(out, size, out=out)
-            return result
-
-    else:
-
-        def finish() -> Tensor:
-            return result
-
-    record = None
+    finish = partial(np.true_divide, out, size, out=out) if plan.divide else None
     if ctx._config.check and size > 1:
+        reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
         record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members)
-    return start(ctx, Op("all_reduce", group, array.nbytes, post, finish, record=record, keep=(out,)), result)
+
+        def post() -> list[Any]:
+            return [comm.Iallreduce(MPI.IN_PLACE, [out, datatype], mpi_op)]
+
+        return start(ctx, Op("all_reduce", group, array.nbytes, post, finish, record=record, keep=(out,)), result)
+    op = Op("all_reduce", group, array.nbytes, None, finish, keep=(out,))
+    ctx._engine.post_direct(op, lambda: comm.Iallreduce(MPI.IN_PLACE, [out, datatype], mpi_op))
+    return CollectiveTensor(op, result, ctx)

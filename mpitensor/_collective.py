@@ -72,7 +72,7 @@ class CollectiveTensor:
                 f"cannot resolve {op.describe()}: its context was closed first "
                 "(close() completed it, but results must be resolved before closing)"
             )
-        self._ctx._engine.wait(op, timeout_arg(timeout, self._ctx))
+        self._ctx._engine.wait(op, self._ctx._timeout if timeout is None else timeout_arg(timeout, self._ctx))
         self._resolved = True
         if isinstance(self._value, Later):
             self._value = op.result

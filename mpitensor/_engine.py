@@ -195,6 +195,7 @@ class Engine:
         self.lock = threading.RLock()
         self.posted: list[Op] = []  # ops whose data is in flight
         self.waiting_groups: set[Group] = set()  # groups with a non-empty queue
+        self.stepping = 0  # posted ops driven by steps rather than by MPI alone
         self.progress_thread: ProgressThread | None = None
 
     # -- starting ----------------------------------------------------------------------
@@ -230,6 +231,32 @@ class Engine:
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
+
+    def post_direct(self, op: Op, post: Callable[[], Any]) -> None:
+        """Start an unchecked op with one request, the shortest way.
+
+        Falls back to `submit` when the op's group has ops queued (data must be posted in
+        call order). `post` starts the request; the op's own `post` is not used.
+
+        Raises:
+            ContextBrokenError: MPI refused to start it (the context is then broken).
+        """
+        ctx = self.ctx
+        if ctx._broken is not None or ctx._closed:
+            ctx._ensure_usable()
+        with self.lock:
+            if not op.group.queue:
+                try:
+                    op.requests = [post()]
+                except MPI.Exception as exc:
+                    message = f"MPI failed to start {op.describe()}: {exc}"
+                    ctx._mark_broken(message)
+                    raise ContextBrokenError(message) from exc
+                op.state = POSTED
+                self.posted.append(op)
+                return
+        op.post = lambda: [post()]
+        self.submit(op)
 
     def _post_check(self, op: Op) -> None:
         group = op.group
@@ -323,6 +350,7 @@ class Engine:
             op.requests = started
         else:
             op.stepper = started
+            self.stepping += 1
         if op.requests or op.stepper is not None:
             op.state = POSTED
             self.posted.append(op)
@@ -366,7 +394,9 @@ class Engine:
 
     def _complete(self, op: Op) -> None:
         op.requests = []
-        op.stepper = None
+        if op.stepper is not None:
+            op.stepper = None
+            self.stepping -= 1
         if op.protections:
             self._release(op)
         else:
@@ -427,7 +457,7 @@ class Engine:
             The op's error, if it failed.
         """
         if op.state < COMPLETE:
-            if op.state == POSTED and timeout is None and not self.waiting_groups and not self._stepping():
+            if op.state == POSTED and timeout is None and not self.waiting_groups and not self.stepping:
                 # Nothing is queued anywhere and no step-driven op is in flight, so no peer
                 # waits for this rank to post or to step: a blocking wait inside MPI (which
                 # progresses every MPI request) is safe, and the fastest.
@@ -445,10 +475,6 @@ class Engine:
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
-
-    def _stepping(self) -> bool:
-        """True if an op driven by steps (not by MPI alone) is in flight."""
-        return any(posted.stepper is not None for posted in self.posted)
 
     def wait_posted(self, op: Op, timeout: float | None) -> None:
         """Block until `op`'s data is posted (or it completed or failed)."""
