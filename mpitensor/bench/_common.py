@@ -156,7 +156,7 @@ def machine(comm: Any) -> dict[str, Any]:
         "cpu": _cpu_model(),
         "memory_gib": _memory_gib(),
         "mpi": f"{name} {version}",
-        "mpi_library": _mpi.library_version(),
+        "mpi_library": _mpi.library_version().replace("\x00", "").strip(),
         "thread_level": _mpi.thread_level_name(),
         "python": platform.python_version(),
         "numpy": numpy.__version__,

@@ -99,17 +99,28 @@ def evaluate(run: dict[str, Any]) -> list[Target]:
                 + (f"; raw {raw8 * 1e6:.2f} us" if raw8 else ""),
             ))
         if _MIB in sizes and "gloo" in sweep["variants"]:
+            gloo = _median(sweep, "gloo", _MIB)
+            off = _ratio(gloo, _median(sweep, "mt_noprogress", _MIB))
             targets.append(Target(
-                "vs gloo at 1 MiB: gloo / mt", _ratio(_median(sweep, "gloo", _MIB), _median(sweep, "mt", _MIB)),
-                10.0, True, "torch.distributed gloo all_reduce",
+                "vs gloo at 1 MiB: gloo / mt", _ratio(gloo, _median(sweep, "mt", _MIB)),
+                10.0, True, f"gloo {gloo * 1e6:.0f} us" + (f"; progress thread off: {off:.2f}x" if off else ""),
             ))
         small = [n for n in sizes if n <= 64 * _KIB]
         if small and "pickle" in sweep["variants"]:
-            worst = min(small, key=lambda n: _ratio(_median(sweep, "pickle", n), _median(sweep, "mt", n)) or 0)
+            def pickle_ratio(n: int, variant: str) -> float:
+                return _ratio(_median(sweep, "pickle", n), _median(sweep, variant, n)) or 0.0
+
+            worst = min(small, key=lambda n: pickle_ratio(n, "mt"))
+            details = [f"worst at {format_size(worst)}"]
+            if "mt_noprogress" in sweep["variants"]:
+                off = min(small, key=lambda n: pickle_ratio(n, "mt_noprogress"))
+                details.append(f"progress thread off: worst {pickle_ratio(off, 'mt_noprogress'):.2f}x at "
+                               f"{format_size(off)}")
+            best_raw = min(small, key=lambda n: pickle_ratio(n, "raw"))
+            details.append(f"raw MPI itself: worst {pickle_ratio(best_raw, 'raw'):.2f}x at {format_size(best_raw)}")
             targets.append(Target(
                 "vs pickle allreduce <= 64 KiB: pickle / mt (worst size)",
-                _ratio(_median(sweep, "pickle", worst), _median(sweep, "mt", worst)), 5.0, True,
-                f"worst at {format_size(worst)}",
+                pickle_ratio(worst, "mt"), 5.0, True, "; ".join(details),
             ))
         factor = busbw_factor(sweep["ranks"])
         for nbytes in (16 * _MIB, 64 * _MIB):
@@ -118,9 +129,11 @@ def evaluate(run: dict[str, Any]) -> list[Target]:
             raw, mt, copy = (_median(sweep, v, nbytes) for v in ("raw", "mt", "memcpy"))
             bus = [None if t is None else nbytes * factor / t / 1e9 for t in (raw, mt)]
             floor = "-" if copy is None else f"{nbytes / copy / 1e9:.2f} GB/s copy rate"
+            off = _ratio(raw, _median(sweep, "mt_noprogress", nbytes))
             targets.append(Target(
                 f"busbw at {format_size(nbytes)}: mt / raw", _ratio(raw, mt), 1.3, True,
-                f"mt {bus[1] or 0:.2f} GB/s, raw {bus[0] or 0:.2f} GB/s; memcpy floor {floor}",
+                f"mt {bus[1] or 0:.2f} GB/s, raw {bus[0] or 0:.2f} GB/s; memcpy floor {floor}"
+                + (f"; progress thread off: {off:.2f}x" if off else ""),
             ))
     overlap = run.get("overlap")
     if overlap is not None:
@@ -191,7 +204,8 @@ def format_runs(runs: Sequence[dict[str, Any]], plots: str | None = None) -> str
         parts.append(f"### {machine.get('mpi', '?')}, {machine.get('ranks', '?')} ranks\n")
         parts.append(
             f"{machine.get('cores', '?')} cores ({machine.get('cpu', '?')}), {machine.get('memory_gib', '?')} GiB, "
-            f"hosts {', '.join(machine.get('hosts', []))}; {machine.get('mpi_library', '')}; thread level "
+            f"hosts {', '.join(machine.get('hosts', []))}; {machine.get('mpi_library', '').replace(chr(0), '')}; "
+            f"thread level "
             f"{machine.get('thread_level', '?')}; Python {machine.get('python', '?')}, NumPy "
             f"{machine.get('numpy', '?')}, mpi4py {machine.get('mpi4py', '?')}. Run {run.get('started', '?')} to "
             f"{run.get('finished', '?')}: `mpiexec -n {machine.get('ranks', '?')} {machine.get('command', '')}`; "
