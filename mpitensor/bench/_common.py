@@ -165,8 +165,24 @@ def machine(comm: Any) -> dict[str, Any]:
         "command": " ".join([os.path.basename(sys.executable), "-m", "mpitensor.bench", *sys.argv[1:]]),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MPITENSOR_")},
         "load_before": load_average(),
+        "source": _source_version(),
     }
     return info
+
+
+def _source_version() -> str | None:
+    """The git commit the package was run from, with ``+changes`` for uncommitted edits."""
+    import subprocess
+
+    where = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no", "--", "."],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if dirty else "")
 
 
 def load_average() -> list[float] | None:

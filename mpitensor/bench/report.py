@@ -209,7 +209,8 @@ def format_runs(runs: Sequence[dict[str, Any]], plots: str | None = None) -> str
             f"{machine.get('thread_level', '?')}; Python {machine.get('python', '?')}, NumPy "
             f"{machine.get('numpy', '?')}, mpi4py {machine.get('mpi4py', '?')}. Run {run.get('started', '?')} to "
             f"{run.get('finished', '?')}: `mpiexec -n {machine.get('ranks', '?')} {machine.get('command', '')}`; "
-            f"load average (1/5/15 min) {machine.get('load_before')} before, {machine.get('load_after')} after.\n"
+            f"load average (1/5/15 min) {machine.get('load_before')} before, {machine.get('load_after')} after; "
+            f"source {machine.get('source') or 'unknown'}.\n"
         )
         for kind, formatter, plotter in (
             ("sweep", format_sweep, plot_sweep),
