@@ -117,9 +117,11 @@ def group_hash(ranks: Sequence[int]) -> int:
     return hash(tuple(ranks)) & _MASK
 
 
-@dataclass(frozen=True)
 class Record:
     """What one rank says about the collective it is calling.
+
+    A plain class rather than a dataclass: one is built for every checked call, and a
+    frozen dataclass costs several times more to build.
 
     Args:
         kind: the operation's name (a key of `KIND_CODES`).
@@ -133,14 +135,44 @@ class Record:
         extra: one more value that must agree (the gathered axis, a structure hash).
     """
 
-    kind: str
-    op: ReduceOperation | None
-    dtype: np.dtype | None
-    shape: tuple[int, ...] | None
-    root: int
-    group: tuple[int, ...]
-    per_rank: int = 0
-    extra: int = 0
+    __slots__ = ("dtype", "extra", "group", "kind", "op", "per_rank", "root", "shape")
+
+    def __init__(
+        self,
+        kind: str,
+        op: ReduceOperation | None,
+        dtype: np.dtype | None,
+        shape: tuple[int, ...] | None,
+        root: int,
+        group: tuple[int, ...],
+        per_rank: int = 0,
+        extra: int = 0,
+    ) -> None:
+        self.kind = kind
+        self.op = op
+        self.dtype = dtype
+        self.shape = shape
+        self.root = root
+        self.group = group
+        self.per_rank = per_rank
+        self.extra = extra
+
+    def agreement(self) -> int:
+        """The hash of what every rank must agree on (all but the per-rank value).
+
+        Equal on every rank for equal calls: it hashes only ints and tuples of ints (the
+        hashes of strings, and of None before Python 3.12, differ between processes).
+        """
+        value = (
+            KIND_CODES[self.kind],
+            0 if self.op is None else _OP_CODES[self.op],
+            dtype_code(self.dtype),
+            (-1,) if self.shape is None else self.shape,
+            self.root,
+            self.group,
+            self.extra,
+        )
+        return hash(value) & _MASK
 
     def encode(self) -> np.ndarray:
         """The record as ``RECORD_LEN`` int64 values."""
@@ -164,18 +196,29 @@ class Record:
         return out
 
 
-@dataclass(frozen=True)
 class AbandonRecord(Record):
     """The record of a check this rank posts only to unblock peers (see the diagnosis).
 
     It says where this rank is stuck instead: the group it waits on, that wait's place in
     the group's sequence, whether it is the group's creation, and the operation.
+
+    Args:
+        group: the group of the check it stands in for.
+        waiting_on: the group this rank waits on instead.
+        waiting_seq: the place of that wait in that group's sequence of checks.
+        creating: True if the wait is that group's creation.
+        doing: the operation this rank waits in.
     """
 
-    waiting_on: tuple[int, ...] = ()
-    waiting_seq: int = 0
-    creating: bool = False
-    doing: str = "all_reduce"
+    __slots__ = ("creating", "doing", "waiting_on", "waiting_seq")
+
+    def __init__(self, group: tuple[int, ...], waiting_on: tuple[int, ...], waiting_seq: int, creating: bool,
+                 doing: str) -> None:
+        super().__init__(ABANDONED_KIND, None, None, None, -1, group)
+        self.waiting_on = waiting_on
+        self.waiting_seq = waiting_seq
+        self.creating = creating
+        self.doing = doing
 
     def encode(self) -> np.ndarray:
         """The record as ``RECORD_LEN`` int64 values."""

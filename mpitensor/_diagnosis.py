@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._check import ABANDONED_KIND, AbandonRecord, Waiting, group_hash
+from ._check import AbandonRecord, Waiting, group_hash
 from ._engine import CHECKING, QUEUED, Op, _Backoff
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError
 from ._mpi import MPI
@@ -147,9 +147,7 @@ class Diagnosis:
             return
         group = self.ctx._groups[theirs.members]
         while group.check_seq <= theirs.seq:
-            record = AbandonRecord(ABANDONED_KIND, None, None, None, -1, theirs.members,
-                                   waiting_on=mine.members, waiting_seq=mine.seq, creating=mine.creating,
-                                   doing=mine.doing)
+            record = AbandonRecord(theirs.members, mine.members, mine.seq, mine.creating, mine.doing)
             self.ctx._engine.post_abandon(group, record)
 
     def answer(self, peer: int, waiting: Waiting, mine: Wait) -> None:

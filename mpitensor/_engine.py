@@ -263,22 +263,21 @@ class Engine:
         op.state = CHECKING
         op.seq = group.check_seq
         group.check_seq += 1
-        assert op.record is not None
-        encoded = op.record.encode()
+        record = op.record
+        assert record is not None
         if op.exchange:
             # Ranks need each other's per-rank values (sizes of all_gatherv): gather the
             # whole records; comparing them is the check.
-            op.check_send = encoded
+            op.check_send = record.encode()
             op.check_recv = np.empty((group.size, RECORD_LEN), np.int64)
             op.check_req = group.check_comm.Iallgather(op.check_send, op.check_recv)
             op.check_stage = 2
         else:
-            value = ABANDON if op.record.kind == ABANDONED_KIND else agreement_hash(encoded)
+            value = ABANDON if record.kind == ABANDONED_KIND else record.agreement()
             op.check_send = np.array([value, -value], np.int64)
             op.check_recv = np.empty(2, np.int64)
             op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
             op.check_stage = 1
-            op.keep = (*op.keep, encoded)
 
     def _advance_check(self, op: Op) -> bool:
         """Move `op`'s check along; True once it has passed (or failed)."""
@@ -293,8 +292,8 @@ class Engine:
                 self._check_passed(op)
                 return True
             # Disagreement: gather the full records to say exactly what differs.
-            encoded = op.keep[-1]
-            op.check_send = encoded
+            assert op.record is not None
+            op.check_send = op.record.encode()
             op.check_recv = np.empty((group.size, RECORD_LEN), np.int64)
             op.check_req = group.detail_comm.Iallgather(op.check_send, op.check_recv)
             op.check_stage = 3
