@@ -15,6 +15,7 @@ from ._collective import (
     context_for,
     finish_reduction,
     reduction_buffers,
+    reduction_input,
     result_device,
     start,
     take_input,
@@ -93,11 +94,7 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     array = source.array
     if array.nbytes <= SMALL_BYTES and not plan.rounds_back:
         return _small(ctx, source.buffer, result_device(ctx, source), reduce_op, plan, group)
-    if plan.work_dtype != source.buffer.dtype:
-        source.buffer = source.buffer.astype(plan.work_dtype)
-        source.copied = True
-    protections = source.guard(ctx)
-    send = source.buffer
+    send, protections = reduction_input(ctx, source, plan)
     fast = shared_memory_post(ctx, group, send, plan)  # the intra-node fast path, or None
     if fast is None:
         out, final = reduction_buffers(ctx, array.shape, plan)

@@ -314,6 +314,17 @@ def group_root(group: Group, root: int, what: str) -> int:
         ) from None
 
 
+def reduction_input(ctx: DistributedContext, source: Input, plan: Any) -> tuple[Any, tuple[Protection, ...]]:
+    """The buffer a reduction sends, and the protections that keep it unchanged meanwhile.
+
+    The buffer is the input, converted to the plan's work dtype where that differs.
+    """
+    if plan.work_dtype != source.buffer.dtype:
+        source.buffer = source.buffer.astype(plan.work_dtype)
+        source.copied = True
+    return source.buffer, source.guard(ctx)
+
+
 def reduction_buffers(ctx: DistributedContext, shape: tuple[int, ...], plan: Any) -> tuple[np.ndarray, np.ndarray]:
     """The buffer MPI reduces into and the array the result tensor wraps.
 
@@ -343,6 +354,7 @@ __all__ += [
     "finish_reduction",
     "group_root",
     "reduction_buffers",
+    "reduction_input",
     "result_device",
     "root_rank",
     "start",

@@ -12,6 +12,7 @@ from ._collective import (
     finish_reduction,
     group_root,
     reduction_buffers,
+    reduction_input,
     result_device,
     root_rank,
     start,
@@ -62,11 +63,7 @@ def reduce(
         return gpu_reduce(ctx, source, reduce_op, group, root_at)
     plan = reduce_plan(reduce_op, source.buffer.dtype)
     array = source.array
-    if plan.work_dtype != source.buffer.dtype:
-        source.buffer = source.buffer.astype(plan.work_dtype)
-        source.copied = True
-    protections = source.guard(ctx)
-    send = source.buffer
+    send, protections = reduction_input(ctx, source, plan)
     is_root = root_at == ctx.rank
     out, final = reduction_buffers(ctx, array.shape, plan) if is_root else (None, None)
     result = Tensor(final, result_device(ctx, source)) if final is not None else None

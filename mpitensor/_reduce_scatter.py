@@ -11,6 +11,7 @@ from ._collective import (
     context_for,
     finish_reduction,
     reduction_buffers,
+    reduction_input,
     result_device,
     start,
     take_input,
@@ -86,11 +87,7 @@ def reduce_scatter(
     # A bad shape is raised when the data is posted, after the check: ranks that
     # disagree on the shape then get the mismatch error instead of some of them leaving.
     problem, block_shape = blocks_or_problem(array.shape, group.size, "reduce_scatter")
-    if plan.work_dtype != source.buffer.dtype:
-        source.buffer = source.buffer.astype(plan.work_dtype)
-        source.copied = True
-    protections = source.guard(ctx)
-    send = source.buffer
+    send, protections = reduction_input(ctx, source, plan)
     out, final = reduction_buffers(ctx, block_shape, plan)
     result = Tensor(final, result_device(ctx, source))
     comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
