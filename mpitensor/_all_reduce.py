@@ -145,6 +145,6 @@ def _small(ctx: DistributedContext, array: np.ndarray, device: Device, op: Reduc
             return [comm.Iallreduce(MPI.IN_PLACE, [out, datatype], mpi_op)]
 
         return start(ctx, Op("all_reduce", group, array.nbytes, post, finish, record=record, keep=(out,)), result)
-    op = Op("all_reduce", group, array.nbytes, None, finish, keep=(out,))
-    ctx._engine.post_direct(op, lambda: comm.Iallreduce(MPI.IN_PLACE, [out, datatype], mpi_op))
+    op = Op("all_reduce", group, array.nbytes, None, finish, None, (out,))
+    ctx._engine.post_direct(op, comm.Iallreduce, MPI.IN_PLACE, [out, datatype], mpi_op)
     return CollectiveTensor(op, result, ctx)

@@ -64,8 +64,9 @@ class DistributedConfig:
         bucket_bytes: the size of the buckets the fused all-reduce and `GradientSync`
             pack tensors into (near PyTorch DDP's 25 MiB by default).
         progress: drive communication from a background thread so that it advances
-            while the program computes; ``None`` turns it on where MPI provides
-            ``MPI_THREAD_MULTIPLE``.
+            while the program computes; ``None`` (or ``MPITENSOR_PROGRESS=0|1``) turns it on
+            where MPI provides ``MPI_THREAD_MULTIPLE`` and it can help: the node has a core
+            to spare beyond one per rank, or the ranks compute on GPUs.
         device: force the kind of device every rank uses, ``"cpu"`` or ``"cuda"``;
             ``None`` picks CUDA when GPUs are visible and CuPy is installed.
         cuda_aware: declare whether MPI accepts GPU buffers; ``None`` detects it (and

@@ -140,7 +140,7 @@ class DistributedContext:
         self._engine = Engine(self)
         self._pool = _host_pool
         self._diagnosis = Diagnosis(self) if config.check and self._size > 1 else None
-        if self._size > 1 and _progress_wanted(config, thread_level):
+        if self._size > 1 and _progress_wanted(config, thread_level, self._spare_cores(), self._device.kind):
             self._engine.progress_thread = ProgressThread(self._engine)
         _state.push(self)
         if config.fail_fast:
@@ -293,6 +293,15 @@ class DistributedContext:
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(errorcode)
 
+    def _spare_cores(self) -> int:
+        """Cores of this node that its ranks of the context may use, beyond one each."""
+        if hasattr(os, "sched_getaffinity"):
+            mine = sorted(os.sched_getaffinity(0))
+        else:
+            mine = list(range(os.cpu_count() or 1))
+        usable = set().union(*self._local_comm.allgather(mine))
+        return len(usable) - self._local_size
+
     def _stop_progress(self) -> None:
         thread = self._engine.progress_thread
         if thread is not None:
@@ -420,11 +429,14 @@ class DistributedContext:
 _INIT_TOKEN = object()
 
 
-def _progress_wanted(config: DistributedConfig, thread_level: int) -> bool:
+def _progress_wanted(config: DistributedConfig, thread_level: int, spare_cores: int, kind: str) -> bool:
     """Whether to run a progress thread.
 
     The config decides; unset, ``MPITENSOR_PROGRESS`` does; unset too, the thread runs
-    wherever MPI provides ``MPI_THREAD_MULTIPLE``.
+    where MPI provides ``MPI_THREAD_MULTIPLE`` and it can help: the node has a core to
+    spare beyond one per rank, or the rank computes on a GPU (its CPU then waits anyway).
+    Without a spare core the thread takes CPU time from the program's own compute, and
+    communication that is CPU copying cannot overlap it: it only costs.
 
     Raises:
         ValueError: the config asks for it but MPI does not provide the thread level.
@@ -433,7 +445,7 @@ def _progress_wanted(config: DistributedConfig, thread_level: int) -> bool:
     wanted = config.progress
     if wanted is None:
         raw = os.environ.get("MPITENSOR_PROGRESS", "").strip()
-        wanted = raw not in ("0", "false", "no") if raw else multiple
+        wanted = raw not in ("0", "false", "no") if raw else multiple and (spare_cores > 0 or kind == "cuda")
     if wanted and not multiple:
         if config.progress:
             raise ValueError(
