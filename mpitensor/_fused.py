@@ -9,7 +9,7 @@ so unpacking copies nothing.
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._check import Record
-from ._collective import CollectiveTensor, Input, check_record, result_device, start, take_input
+from ._collective import CollectiveTensor, Input, check_record, start, take_input
 from ._config import ReduceOperation, parse_op
 from ._context import DevicesArg, DistributedContext
 from ._dtypes import ReducePlan, reduce_plan
@@ -54,6 +54,8 @@ def plan_buckets(sizes: Sequence[int], plans: Sequence[ReducePlan], bucket_bytes
         The buckets, in the order their first tensor appears.
     """
     buckets: list[Bucket] = []
+    if plans and all(plan is plans[0] for plan in plans):
+        return _pack_one_kind(sizes, plans[0], bucket_bytes)
     open_by_kind: dict[tuple[Any, ...], Bucket] = {}
     for index, (size, plan) in enumerate(zip(sizes, plans)):
         # Tensors share a bucket when MPI reduces them alike (MPI ops are unhashable
@@ -71,10 +73,37 @@ def plan_buckets(sizes: Sequence[int], plans: Sequence[ReducePlan], bucket_bytes
     return buckets
 
 
+def _pack_one_kind(sizes: Sequence[int], plan: ReducePlan, bucket_bytes: int) -> list[Bucket]:
+    """`plan_buckets` when every tensor has the same plan (the usual case).
+
+    The same packing, without the bookkeeping by kind.
+    """
+    limit = bucket_bytes // plan.work_dtype.itemsize
+    buckets = [Bucket(plan)]
+    members, offsets = buckets[0].members, buckets[0].offsets
+    filled = 0
+    for index, size in enumerate(sizes):
+        if members and filled + size > limit:
+            buckets[-1].elements = filled
+            buckets.append(Bucket(plan))
+            members, offsets = buckets[-1].members, buckets[-1].offsets
+            filled = 0
+        members.append(index)
+        offsets.append(filled)
+        filled += size
+    buckets[-1].elements = filled
+    return buckets
+
+
 def structure_hash(keys: Iterable[Any], arrays: Iterable[Any]) -> int:
-    """A hash of the names, shapes and dtypes of a structure, equal on every rank."""
-    text = repr([(repr(k), tuple(a.shape), a.dtype.str) for k, a in zip(keys, arrays)])
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+    """A hash of the names, shapes and dtypes of a structure, equal on every rank.
+
+    Names are hashed as text with CRC-32 (Python's own string hash differs between
+    processes); shapes and dtype numbers, as a tuple of ints (whose hash does not).
+    """
+    names = zlib.crc32("\0".join(map(repr, keys)).encode())
+    layout = hash(tuple((a.shape, a.dtype.num) for a in arrays))
+    return hash((names, layout)) & ((1 << 56) - 1)
 
 
 def _flatten(structure: Any) -> tuple[list[Any], list[Any]]:
@@ -141,22 +170,23 @@ def _start_fused(
     sizes = [int(item.buffer.size) for item in inputs]
     buckets = plan_buckets(sizes, plans, bucket_bytes or ctx._config.bucket_bytes)
     outputs: list[Any] = [None] * len(inputs)
+    host = ctx._cpu_device
     sends, recvs = [], []
     rounding: list[tuple[np.ndarray, np.ndarray]] = []  # half precision: (float32 view, result)
     for bucket in buckets:
         dtype = bucket.plan.work_dtype
         send = ctx._pool.empty((bucket.elements,), dtype)
         out = ctx._pool.empty((bucket.elements,), dtype)
+        # One C call packs the bucket (numpy.split would cost more than it saves to unpack).
+        np.concatenate([inputs[i].buffer.reshape(-1) for i in bucket.members], out=send, casting="unsafe")
         for index, offset in zip(bucket.members, bucket.offsets):
             item = inputs[index]
-            size = sizes[index]
-            np.copyto(send[offset : offset + size], item.buffer.reshape(-1), casting="unsafe")
-            view = out[offset : offset + size].reshape(item.array.shape)
+            view = out[offset : offset + sizes[index]].reshape(item.array.shape)
             if plans[index].rounds_back:
                 final = ctx._pool.empty(item.array.shape, plans[index].out_dtype)
                 rounding.append((view, final))
                 view = final
-            outputs[index] = Tensor(view, result_device(ctx, item))
+            outputs[index] = Tensor(view, item.tensor.device if item.tensor is not None else host)
         sends.append(send)
         recvs.append(out)
     result = _rebuild(structure, keys, outputs)

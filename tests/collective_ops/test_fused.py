@@ -77,3 +77,14 @@ def test_bucket_plan_packs_in_order_and_splits_by_size_and_dtype():
         ("int64", [2, 4], [0, 3]),
         ("float32", [3], [0]),
     ]
+
+
+def test_bucket_plan_of_one_kind_packs_greedily_in_order():
+    f32 = reduce_plan(OP.SUM, np.dtype(np.float32))
+    buckets = plan_buckets([10, 10, 3, 100, 5, 0], [f32] * 6, bucket_bytes=80)
+    assert [(b.members, b.offsets, b.elements) for b in buckets] == [
+        ([0, 1], [0, 10], 20),
+        ([2], [0], 3),
+        ([3], [0], 100),
+        ([4, 5], [0, 5], 5),
+    ]
