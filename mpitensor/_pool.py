@@ -51,6 +51,10 @@ def make_lease(memory: np.ndarray, owner: Any, token: Any) -> Lease:
 
 def leased_array(lease: Lease, nbytes: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A plain ndarray of `shape` and `dtype` over the first `nbytes` of `lease`."""
+    # NumPy collapses a new view's chain of bases while the next base has the view's own
+    # type: slice the Lease itself (a Lease slice keeps the lease as its base), then view
+    # that as a plain ndarray (whose base stops at the Lease slice). Viewing the lease as
+    # a plain ndarray first would collapse straight to the block and lose the lease.
     return np.asarray(lease[:nbytes]).view(dtype).reshape(shape)
 
 
