@@ -8,8 +8,9 @@ For every size (float32 sum), in the same run and interleaved round by round:
 - ``mt_checked``: the same with the consistency check on (the default configuration);
 - ``mt_plain``: check off and ``shared_memory=False``: the wrapper's cost over the very
   same ``MPI_Iallreduce``;
-- ``mt_noprogress``: check off and ``progress=False`` (the other mt variants run the default,
-  a progress thread where MPI provides ``MPI_THREAD_MULTIPLE``);
+- ``mt_noprogress``: check off and ``progress=False`` (the other mt variants run the default:
+  a progress thread where MPI provides ``MPI_THREAD_MULTIPLE`` and the node has a core to
+  spare beyond one per rank);
 - ``pickle``: mpi4py's pickle-based ``comm.allreduce`` of the NumPy array;
 - ``gloo``: ``torch.distributed.all_reduce`` on the gloo backend (when torch is installed);
 - ``memcpy``: one ``numpy.copyto`` of the message on each rank: the memory floor.
@@ -243,7 +244,8 @@ def format_sweep(result: dict[str, Any], markdown: bool = True) -> str:
         "slowest rank's mean time per call.",
         "mt: mpitensor check off (shared-memory path where it applies); checked: check on; "
         "plain: check off, shared memory off; no-progress: check off, progress thread off (the "
-        "others run the default, a progress thread). x/raw: time ratio to raw mpi4py Iallreduce+Wait "
+        "others run the default: a progress thread only where the node has a core to spare). "
+        "x/raw: time ratio to raw mpi4py Iallreduce+Wait "
         "(lower is better); pickle/mt and gloo/mt: how many times faster mt is. "
         "busbw = size/time x 2(n-1)/n. Each result is dropped before the next call (raw reuses "
         "its receive buffer).",
