@@ -10,8 +10,9 @@ import numpy as np
 from . import _state
 from ._check import Record
 from ._collective import (
+    PLAIN_DTYPES,
     CollectiveTensor,
-    check_record,
+    Input,
     context_for,
     finish_reduction,
     reduction_buffers,
@@ -26,8 +27,8 @@ from ._device import Device
 from ._dtypes import ReducePlan, reduce_plan
 from ._engine import Group, Op
 from ._mpi import MPI
-from ._shm import shared_memory_post
-from ._tensor import Tensor
+from ._shm import may_apply, shared_memory_post
+from ._tensor import Tensor, wrap_array
 
 __all__ = ["SMALL_BYTES", "all_reduce"]
 
@@ -67,17 +68,21 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     if stack and devices is None and (kind is np.ndarray or kind is Tensor):
         ctx = stack[-1]
         array = input if kind is np.ndarray else input._array
-        if (
-            type(array) is np.ndarray
-            and array.nbytes <= SMALL_BYTES
-            and array.flags.c_contiguous
-            and not ctx._closed
-            and ctx._broken is None
-        ):
-            plan = reduce_plan(ctx._config.all_reduce_op if op is None else parse_op(op), array.dtype)
-            if not plan.rounds_back:
-                device = ctx._cpu_device if kind is np.ndarray else input._device
-                return _small(ctx, array, device, op, plan, ctx._full)
+        if type(array) is np.ndarray and array.flags.c_contiguous and not ctx._closed and ctx._broken is None:
+            nbytes = array.nbytes
+            if nbytes <= SMALL_BYTES:
+                plan = reduce_plan(ctx._config.all_reduce_op if op is None else parse_op(op), array.dtype)
+                if not plan.rounds_back:
+                    device = ctx._cpu_device if kind is np.ndarray else input._device
+                    return _small(ctx, array, device, op, plan, ctx._full)
+            elif array.dtype in PLAIN_DTYPES and not (ctx._config.check and ctx._size > 1):
+                # Larger, unchecked, and too small for (or barred from) shared memory:
+                # nothing to agree on or to step through, so it too is posted at once.
+                plan = reduce_plan(ctx._config.all_reduce_op if op is None else parse_op(op), array.dtype)
+                if plan.work_dtype == array.dtype and not may_apply(ctx._config, nbytes):
+                    tensor = input if kind is Tensor else None
+                    device = ctx._cpu_device if tensor is None else tensor._device
+                    return _direct(ctx, Input(tensor, array, array, False), device, plan, ctx._full)
     ctx = context_for("all_reduce")
     if isinstance(input, (list, tuple, dict)):
         from ._fused import fused_all_reduce
@@ -101,7 +106,7 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     else:
         out = fast.out
         final = ctx._pool.empty(array.shape, plan.out_dtype) if plan.rounds_back else out
-    result = Tensor(final, result_device(ctx, source))
+    result = wrap_array(final, result_device(ctx, source))
     comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
     size = group.size
 
@@ -112,7 +117,8 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         finish_reduction(out, final, plan, size)
         return result
 
-    record = check_record(ctx, group, Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members))
+    checked = ctx._config.check and size > 1
+    record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members) if checked else None
     collective = Op(
         "all_reduce",
         group,
@@ -123,7 +129,28 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         keep=(send, out, final),
         protections=protections,
     )
+    if fast is None and not checked:
+        # Nothing to agree on first: post at once, as the small path does.
+        ctx._engine.post_direct(collective, comm.Iallreduce, [send, datatype], [out, datatype], mpi_op)
+        return CollectiveTensor(collective, result, ctx)
     return start(ctx, collective, result)
+
+
+def _direct(ctx: DistributedContext, source: Input, device: Device, plan: ReducePlan,
+            group: Group) -> CollectiveTensor:
+    """An unchecked all-reduce of a contiguous host array that MPI reduces as it is.
+
+    The input is protected (or copied, where it could not be made writable again), the
+    result goes to a pooled buffer, and ``MPI_Iallreduce`` is posted at once.
+    """
+    protections = source.guard(ctx)
+    send = source.buffer
+    out = ctx._pool.empty(send.shape, plan.work_dtype)
+    datatype = plan.datatype
+    finish = partial(np.true_divide, out, group.size, out=out) if plan.divide else None
+    op = Op("all_reduce", group, send.nbytes, None, finish, None, (send, out), protections)
+    ctx._engine.post_direct(op, group.comm.Iallreduce, [send, datatype], [out, datatype], plan.mpi_op)
+    return CollectiveTensor(op, wrap_array(out, device), ctx)
 
 
 def _small(ctx: DistributedContext, array: np.ndarray, device: Device, op: ReduceOperation | str | None,
@@ -134,7 +161,7 @@ def _small(ctx: DistributedContext, array: np.ndarray, device: Device, op: Reduc
     nothing queued is posted here directly, without the engine's general path.
     """
     out = array.astype(plan.work_dtype)  # always a copy
-    result = Tensor(out, device)
+    result = wrap_array(out, device)
     comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
     finish = partial(np.true_divide, out, size, out=out) if plan.divide else None
     if ctx._config.check and size > 1:

@@ -20,7 +20,7 @@ from ._errors import ContextClosedError, DeviceError
 from ._protect import Protection, restorable
 from ._tensor import Tensor
 
-__all__ = ["CollectiveTensor", "Input", "Later", "run_barrier", "take_input", "timeout_arg"]
+__all__ = ["PLAIN_DTYPES", "CollectiveTensor", "Input", "Later", "run_barrier", "take_input", "timeout_arg"]
 
 
 class CollectiveTensor:
@@ -187,7 +187,8 @@ class Input:
         return (Protection(self.tensor, array),)
 
 
-_PLAIN = frozenset(
+# The dtypes MPI carries as they are (native byte order); others go through transfer_dtype.
+PLAIN_DTYPES = frozenset(
     np.dtype(t)
     for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
               np.float16, np.float32, np.float64, np.complex64, np.complex128)
@@ -217,7 +218,7 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
             f"got {type(value).__name__}"
         )
     dtype = array.dtype
-    if dtype not in _PLAIN:  # the common dtypes pass without a lookup of their MPI type
+    if dtype not in PLAIN_DTYPES:  # the common dtypes pass without a lookup of their MPI type
         dtype = transfer_dtype(dtype)
     if type(array) is not np.ndarray and is_cupy_array(array):
         _check_gpu(array, ctx, what)

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 
 from ._check import Record
-from ._collective import CollectiveTensor, Input, check_record, start, take_input
+from ._collective import PLAIN_DTYPES, CollectiveTensor, check_record, start, take_input
 from ._config import ReduceOperation, parse_op
 from ._context import DevicesArg, DistributedContext
 from ._dtypes import ReducePlan, reduce_plan
 from ._engine import Group, Op
-from ._tensor import Tensor
+from ._tensor import Tensor, wrap_array
 
 __all__ = ["Bucket", "fused_all_reduce", "plan_buckets", "start_buckets", "structure_hash"]
 
@@ -148,12 +148,44 @@ def fused_all_reduce(
     reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
     group = ctx._group(devices, kind)
     keys, values = _flatten(structure)
-    inputs = [take_input(v, ctx, "all_reduce", f"every tensor of the {type(structure).__name__}") for v in values]
-    if any(item.on_gpu for item in inputs):
-        from ._gpu_path import gpu_fused_all_reduce
+    plain = _plain_host_leaves(values, ctx._cpu_device)
+    if plain is not None:
+        buffers, devices_out = plain
+    else:
+        what = f"every tensor of the {type(structure).__name__}"
+        inputs = [take_input(v, ctx, "all_reduce", what) for v in values]
+        if any(item.on_gpu for item in inputs):
+            from ._gpu_path import gpu_fused_all_reduce
 
-        return gpu_fused_all_reduce(ctx, structure, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
-    return _start_fused(ctx, group, structure, keys, inputs, reduce_op, bucket_bytes, kind)
+            return gpu_fused_all_reduce(ctx, structure, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
+        buffers = [item.buffer for item in inputs]  # contiguous, of the input's shape
+        devices_out = [item.tensor.device if item.tensor is not None else ctx._cpu_device for item in inputs]
+    return _start_fused(ctx, group, structure, keys, buffers, devices_out, reduce_op, bucket_bytes, kind)
+
+
+def _plain_host_leaves(values: list[Any], host: Any) -> tuple[list[np.ndarray], list[Any]] | None:
+    """The leaves' arrays and devices when every leaf is a contiguous host array of a plain dtype.
+
+    That is the usual case (gradients), and it needs neither copies nor `take_input`'s
+    checks; anything else returns None and goes the general way.
+    """
+    arrays: list[np.ndarray] = []
+    devices: list[Any] = []
+    for value in values:
+        kind = type(value)
+        if kind is Tensor:
+            array = value._array
+            device = value._device
+        elif kind is np.ndarray:
+            array = value
+            device = host
+        else:
+            return None
+        if type(array) is not np.ndarray or not array.flags.c_contiguous or array.dtype not in PLAIN_DTYPES:
+            return None
+        arrays.append(array)
+        devices.append(device)
+    return arrays, devices
 
 
 def _start_fused(
@@ -161,39 +193,50 @@ def _start_fused(
     group: Group,
     structure: Any,
     keys: list[Any],
-    inputs: list[Input],
+    buffers: list[np.ndarray],
+    devices: list[Any],
     reduce_op: ReduceOperation,
     bucket_bytes: int | None,
     kind: str,
 ) -> CollectiveTensor:
-    plans = [reduce_plan(reduce_op, item.buffer.dtype) for item in inputs]
-    sizes = [int(item.buffer.size) for item in inputs]
+    # 256 gradients usually share one or two dtypes: one plan per dtype, not per tensor.
+    by_dtype: dict[np.dtype, ReducePlan] = {}
+    plans = []
+    for buffer in buffers:
+        plan = by_dtype.get(buffer.dtype)
+        if plan is None:
+            plan = by_dtype[buffer.dtype] = reduce_plan(reduce_op, buffer.dtype)
+        plans.append(plan)
+    sizes = [buffer.size for buffer in buffers]
     buckets = plan_buckets(sizes, plans, bucket_bytes or ctx._config.bucket_bytes)
-    outputs: list[Any] = [None] * len(inputs)
-    host = ctx._cpu_device
+    outputs: list[Any] = [None] * len(buffers)
     sends, recvs = [], []
     rounding: list[tuple[np.ndarray, np.ndarray]] = []  # half precision: (float32 view, result)
     for bucket in buckets:
         dtype = bucket.plan.work_dtype
         send = ctx._pool.empty((bucket.elements,), dtype)
         out = ctx._pool.empty((bucket.elements,), dtype)
-        # One C call packs the bucket (numpy.split would cost more than it saves to unpack).
-        np.concatenate([inputs[i].buffer.reshape(-1) for i in bucket.members], out=send, casting="unsafe")
+        # One C call packs the bucket, flattening each input itself (axis=None);
+        # numpy.split would cost more than it saves to unpack.
+        np.concatenate([buffers[i] for i in bucket.members], axis=None, out=send, casting="unsafe")
         for index, offset in zip(bucket.members, bucket.offsets):
-            item = inputs[index]
-            view = out[offset : offset + sizes[index]].reshape(item.array.shape)
+            buffer = buffers[index]
+            view = out[offset : offset + sizes[index]]
+            if buffer.ndim != 1:
+                view = view.reshape(buffer.shape)
             if plans[index].rounds_back:
-                final = ctx._pool.empty(item.array.shape, plans[index].out_dtype)
+                final = ctx._pool.empty(buffer.shape, plans[index].out_dtype)
                 rounding.append((view, final))
                 view = final
-            outputs[index] = Tensor(view, item.tensor.device if item.tensor is not None else host)
+            outputs[index] = wrap_array(view, devices[index])
         sends.append(send)
         recvs.append(out)
     result = _rebuild(structure, keys, outputs)
-    summary = (len(inputs), sum(sizes))
-    record = Record(kind, reduce_op, None, summary, -1, group.members,
-                    extra=structure_hash(keys, [item.array for item in inputs]))
-    nbytes = sum(item.array.nbytes for item in inputs)
+    # Hashing the structure costs per tensor: only a checked call needs it.
+    checked = ctx._config.check and group.size > 1
+    record = Record(kind, reduce_op, None, (len(buffers), sum(sizes)), -1, group.members,
+                    extra=structure_hash(keys, buffers) if checked else 0)
+    nbytes = sum(buffer.nbytes for buffer in buffers)
     return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes, rounding)
 
 

@@ -21,7 +21,7 @@ from ._config import ReduceOperation, parse_op
 from ._context import DevicesArg
 from ._dtypes import reduce_plan, transfer_dtype
 from ._fused import plan_buckets, start_buckets, structure_hash
-from ._tensor import Tensor
+from ._tensor import Tensor, wrap_array
 
 __all__ = ["GradientSync"]
 
@@ -155,7 +155,7 @@ class GradientSync:
                 final = self._ctx._pool.empty(shape, plan.out_dtype)
                 rounding.append((view, final))
                 view = final
-            views[name] = Tensor(view, device)
+            views[name] = wrap_array(view, device)
         record = Record("gradient sync", self._op, None, (index, bucket.elements), -1, self._group.members,
                         extra=self._hashes[index])
         self._handles[index] = start_buckets(

@@ -10,6 +10,7 @@ reference is gone, so a result the user keeps is never reused behind their back.
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -25,9 +26,10 @@ class Lease(np.ndarray):
     An ndarray subclass, because NumPy stops collapsing chains of views at a subclass: it
     stays the base of the array handed out and of every view of it, so it dies (and the
     block returns) only when the last of them is gone. The arrays handed out are plain
-    ndarrays over plain ndarray memory, so NumPy lets their write flag be turned off and
-    on again (collectives protect their inputs that way); arrays built from an
-    ``__array_interface__`` object would refuse to become writable again.
+    ndarrays over memory exposed by the buffer protocol (an ndarray or an mmap), so NumPy
+    lets their write flag be turned off and on again (collectives protect their inputs
+    that way); arrays built from an ``__array_interface__`` object would refuse to become
+    writable again.
     """
 
     def __del__(self) -> None:
@@ -64,6 +66,9 @@ def lease_view(memory: np.ndarray, nbytes: int, shape: tuple[int, ...], dtype: n
     return leased_array(make_lease(memory, owner, token), nbytes, shape, dtype)
 
 
+_new_array = np.ndarray.__new__
+
+
 def size_class(nbytes: int) -> int:
     """The block size that serves a request of `nbytes`: quarter steps of each power of two.
 
@@ -88,7 +93,7 @@ class HostPool:
     def __init__(self, min_bytes: int = 64 << 10, max_cached_bytes: int = 256 << 20) -> None:
         self.min_bytes = min_bytes
         self.max_cached_bytes = max_cached_bytes
-        self._free: OrderedDict[int, list[np.ndarray]] = OrderedDict()  # size -> free blocks
+        self._free: OrderedDict[int, list[mmap.mmap]] = OrderedDict()  # size -> free blocks
         self._cached = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -99,7 +104,7 @@ class HostPool:
         # math.prod, not numpy.prod: this runs on every collective, and numpy.prod of a
         # tuple costs about 2 us.
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < self.min_bytes:
+        if nbytes < self.min_bytes or nbytes == 0:
             return np.empty(shape, dtype)
         size = size_class(nbytes)
         with self._lock:
@@ -112,11 +117,17 @@ class HostPool:
                 block = None
                 self.misses += 1
         if block is None:
-            block = np.empty(size, np.uint8)
-        return lease_view(block, nbytes, tuple(shape), dtype, self, block)
+            block = mmap.mmap(-1, size)
+        # The lease is made straight over the block's memory, in the shape asked for. The
+        # block is an mmap, not an ndarray, so the plain view handed out keeps the lease
+        # as its base (see `Lease`), in two C calls where `lease_view` needs five.
+        lease = _new_array(Lease, shape, dtype, block)
+        lease._owner = self
+        lease._token = block
+        return lease.view(np.ndarray)
 
-    def _give_back(self, block: np.ndarray) -> None:
-        nbytes = block.nbytes
+    def _give_back(self, block: mmap.mmap) -> None:
+        nbytes = len(block)
         with self._lock:
             if nbytes > self.max_cached_bytes:
                 return

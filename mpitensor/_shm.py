@@ -85,7 +85,7 @@ if TYPE_CHECKING:
     from ._dtypes import ReducePlan
     from ._engine import Group, Stepper
 
-__all__ = ["SharedMemoryPost", "min_bytes", "node_layout", "shared_memory_post"]
+__all__ = ["SharedMemoryPost", "may_apply", "min_bytes", "node_layout", "shared_memory_post"]
 
 _DEFAULT_MIN_BYTES = 256 << 10
 # Reduce in pieces that stay in the core's cache, so that copying a reduced piece to the
@@ -165,6 +165,17 @@ def min_bytes() -> int:
             raise ValueError(f"MPITENSOR_SHM_MIN_BYTES must be a non-negative integer, got {raw!r}")
     _min_bytes = value
     return value
+
+
+def may_apply(config: Any, nbytes: int) -> bool:
+    """Whether a message of `nbytes` may take the fast path under `config` (by size alone).
+
+    False means `shared_memory_post` would return None, whatever the group and dtype.
+    """
+    setting = config.shared_memory
+    if setting is False or nbytes == 0:
+        return False
+    return setting is True or nbytes >= (_min_bytes if _min_bytes is not None else min_bytes())
 
 
 def node_layout(ctx: DistributedContext, group: Group) -> tuple[tuple[int, ...], ...]:
@@ -325,11 +336,7 @@ def shared_memory_post(
         The result array and the post function, or None.
     """
     # Cheapest tests first: this runs on every all-reduce, small ones included.
-    setting = ctx._config.shared_memory
-    if setting is False:
-        return None
-    nbytes = send.nbytes
-    if (setting is None and nbytes < (_min_bytes if _min_bytes is not None else min_bytes())) or nbytes == 0:
+    if not may_apply(ctx._config, send.nbytes):
         return None
     state = group.extra.get(_EXTRA_KEY)
     if state is None:

@@ -63,3 +63,32 @@ def test_size_classes_are_quarter_steps_and_serve_nearby_sizes():
     gc.collect()
     second = pool.empty((9_000,), np.dtype(np.uint8))  # another size, the same class
     assert second.ctypes.data == address and second.shape == (9_000,)
+
+
+def test_pooled_arrays_can_be_write_protected_and_released():
+    from mpitensor._protect import restorable
+
+    pool = HostPool(min_bytes=1024)
+    array = pool.empty((64, 64), np.dtype(np.float64))
+    assert restorable(array) and restorable(array[1:, ::2])
+    array.flags.writeable = False
+    array.flags.writeable = True
+    view = array.T[3:]
+    view.flags.writeable = False
+    view.flags.writeable = True
+    view[0, 0] = 5.0
+    assert array[0, 3] == 5.0
+
+
+def test_a_block_returns_only_when_the_last_view_of_a_view_is_gone():
+    pool = HostPool(min_bytes=1024)
+    first = pool.empty((4, 1000), np.dtype(np.float32))
+    deep = first[1:].reshape(-1)[::2].view(np.int32)
+    del first
+    gc.collect()
+    assert pool.cached_bytes == 0
+    del deep
+    gc.collect()
+    from mpitensor._pool import size_class
+
+    assert pool.cached_bytes == size_class(16_000)
