@@ -9,8 +9,8 @@ reference is gone, so a result the user keeps is never reused behind their back.
 
 from __future__ import annotations
 
+import ctypes
 import math
-import mmap
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -26,7 +26,7 @@ class Lease(np.ndarray):
     An ndarray subclass, because NumPy stops collapsing chains of views at a subclass: it
     stays the base of the array handed out and of every view of it, so it dies (and the
     block returns) only when the last of them is gone. The arrays handed out are plain
-    ndarrays over memory exposed by the buffer protocol (an ndarray or an mmap), so NumPy
+    ndarrays over memory exposed by the buffer protocol (an ndarray or a ctypes array), so NumPy
     lets their write flag be turned off and on again (collectives protect their inputs
     that way); arrays built from an ``__array_interface__`` object would refuse to become
     writable again.
@@ -69,6 +69,20 @@ def lease_view(memory: np.ndarray, nbytes: int, shape: tuple[int, ...], dtype: n
 _new_array = np.ndarray.__new__
 
 
+def _new_block(size: int) -> Any:
+    """`size` bytes of NumPy-allocated memory, exposed through a ctypes array.
+
+    NumPy's allocator, because MPI reduced into it up to 1.5x faster than into an mmap,
+    a bytearray or a ctypes allocation of the same size (measured at 16 MiB, with both
+    MPIs); a ctypes array over it, because the lease made on it must not have an ndarray
+    as its base (see `Lease`). The array keeps the memory alive.
+    """
+    memory = np.empty(size, np.uint8)
+    block = (ctypes.c_char * size).from_address(memory.ctypes.data)
+    block._memory = memory
+    return block
+
+
 def size_class(nbytes: int) -> int:
     """The block size that serves a request of `nbytes`: quarter steps of each power of two.
 
@@ -93,7 +107,7 @@ class HostPool:
     def __init__(self, min_bytes: int = 64 << 10, max_cached_bytes: int = 256 << 20) -> None:
         self.min_bytes = min_bytes
         self.max_cached_bytes = max_cached_bytes
-        self._free: OrderedDict[int, list[mmap.mmap]] = OrderedDict()  # size -> free blocks
+        self._free: OrderedDict[int, list[Any]] = OrderedDict()  # size -> free blocks
         self._cached = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -117,16 +131,16 @@ class HostPool:
                 block = None
                 self.misses += 1
         if block is None:
-            block = mmap.mmap(-1, size)
+            block = _new_block(size)
         # The lease is made straight over the block's memory, in the shape asked for. The
-        # block is an mmap, not an ndarray, so the plain view handed out keeps the lease
-        # as its base (see `Lease`), in two C calls where `lease_view` needs five.
+        # block is not an ndarray, so the plain view handed out keeps the lease as its base
+        # (see `Lease`), in two C calls where `lease_view` needs five.
         lease = _new_array(Lease, shape, dtype, block)
         lease._owner = self
         lease._token = block
         return lease.view(np.ndarray)
 
-    def _give_back(self, block: mmap.mmap) -> None:
+    def _give_back(self, block: Any) -> None:
         nbytes = len(block)
         with self._lock:
             if nbytes > self.max_cached_bytes:
