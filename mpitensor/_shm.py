@@ -172,7 +172,15 @@ def min_bytes() -> int:
 def may_apply(config: Any, nbytes: int) -> bool:
     """Whether a message of `nbytes` may take the fast path under `config` (by size alone).
 
-    False means `shared_memory_post` would return None, whatever the group and dtype.
+    Args:
+        config: the context's `DistributedConfig` (its ``shared_memory`` setting).
+        nbytes: the message size in bytes.
+
+    Returns:
+        False when `shared_memory_post` would return None whatever the group and dtype.
+
+    Raises:
+        ValueError: ``MPITENSOR_SHM_MIN_BYTES`` is malformed (read on first use).
     """
     setting = config.shared_memory
     if setting is False or nbytes == 0:

@@ -337,6 +337,13 @@ def wrap_array(array: Any, device: Device) -> Tensor:
 
     For results the collectives build themselves (an array of the right kind on the right
     device): they make one per result tensor, hundreds per fused call.
+
+    Args:
+        array: a NumPy or CuPy array (not checked).
+        device: the device it lives on (not checked).
+
+    Returns:
+        The tensor.
     """
     result = _new_tensor(Tensor)
     result._array = array
