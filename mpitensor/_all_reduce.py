@@ -82,7 +82,10 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
                 if plan.work_dtype == array.dtype and not may_apply(ctx._config, nbytes):
                     tensor = input if kind is Tensor else None
                     device = ctx._cpu_device if tensor is None else tensor._device
-                    return _direct(ctx, Input(tensor, array, array, False), device, plan, ctx._full)
+                    source = Input(tensor, array, array, False)
+                    protections = source.guard(ctx)  # may swap in a private copy
+                    out = ctx._pool.empty(array.shape, plan.work_dtype)
+                    return _post_now(ctx, ctx._full, source.buffer, protections, out, out, plan, device, nbytes)
     ctx = context_for("all_reduce")
     if isinstance(input, (list, tuple, dict)):
         from ._fused import fused_all_reduce
@@ -101,8 +104,13 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         return _small(ctx, source.buffer, result_device(ctx, source), reduce_op, plan, group)
     send, protections = reduction_input(ctx, source, plan)
     fast = shared_memory_post(ctx, group, send, plan)  # the intra-node fast path, or None
+    checked = ctx._config.check and group.size > 1
     if fast is None:
         out, final = reduction_buffers(ctx, array.shape, plan)
+        if not checked:
+            # Nothing to agree on first: post at once, as the small path does.
+            device = result_device(ctx, source)
+            return _post_now(ctx, group, send, protections, out, final, plan, device, array.nbytes)
     else:
         out = fast.out
         final = ctx._pool.empty(array.shape, plan.out_dtype) if plan.rounds_back else out
@@ -117,7 +125,6 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         finish_reduction(out, final, plan, size)
         return result
 
-    checked = ctx._config.check and size > 1
     record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members) if checked else None
     collective = Op(
         "all_reduce",
@@ -129,28 +136,21 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         keep=(send, out, final),
         protections=protections,
     )
-    if fast is None and not checked:
-        # Nothing to agree on first: post at once, as the small path does.
-        ctx._engine.post_direct(collective, comm.Iallreduce, [send, datatype], [out, datatype], mpi_op)
-        return CollectiveTensor(collective, result, ctx)
     return start(ctx, collective, result)
 
 
-def _direct(ctx: DistributedContext, source: Input, device: Device, plan: ReducePlan,
-            group: Group) -> CollectiveTensor:
-    """An unchecked all-reduce of a contiguous host array that MPI reduces as it is.
+def _post_now(ctx: DistributedContext, group: Group, send: np.ndarray, protections: tuple[Any, ...],
+              out: np.ndarray, final: np.ndarray, plan: ReducePlan, device: Device, nbytes: int) -> CollectiveTensor:
+    """Post an unchecked ``MPI_Iallreduce`` of `send` into `out` at once, bypassing the engine's queue.
 
-    The input is protected (or copied, where it could not be made writable again), the
-    result goes to a pooled buffer, and ``MPI_Iallreduce`` is posted at once.
+    `send` is protected by `protections` (or is a private copy) until MPI is done; the
+    result is `final` (`out` itself, or the half-precision array it is rounded back into).
     """
-    protections = source.guard(ctx)
-    send = source.buffer
-    out = ctx._pool.empty(send.shape, plan.work_dtype)
+    finish = partial(finish_reduction, out, final, plan, group.size) if plan.divide or final is not out else None
+    op = Op("all_reduce", group, nbytes, None, finish, None, (send, out, final), protections)
     datatype = plan.datatype
-    finish = partial(np.true_divide, out, group.size, out=out) if plan.divide else None
-    op = Op("all_reduce", group, send.nbytes, None, finish, None, (send, out), protections)
     ctx._engine.post_direct(op, group.comm.Iallreduce, [send, datatype], [out, datatype], plan.mpi_op)
-    return CollectiveTensor(op, wrap_array(out, device), ctx)
+    return CollectiveTensor(op, wrap_array(final, device), ctx)
 
 
 def _small(ctx: DistributedContext, array: np.ndarray, device: Device, op: ReduceOperation | str | None,

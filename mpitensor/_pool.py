@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HostPool", "Lease", "lease_view", "leased_array", "make_lease", "size_class"]
+__all__ = ["HostPool", "Lease", "leased_array", "make_lease", "size_class"]
 
 
 class Lease(np.ndarray):
@@ -58,12 +58,6 @@ def leased_array(lease: Lease, nbytes: int, shape: tuple[int, ...], dtype: np.dt
     # that as a plain ndarray (whose base stops at the Lease slice). Viewing the lease as
     # a plain ndarray first would collapse straight to the block and lose the lease.
     return np.asarray(lease[:nbytes]).view(dtype).reshape(shape)
-
-
-def lease_view(memory: np.ndarray, nbytes: int, shape: tuple[int, ...], dtype: np.dtype, owner: Any,
-               token: Any) -> np.ndarray:
-    """An array over the first `nbytes` of `memory`, lent by `owner` (see `make_lease`)."""
-    return leased_array(make_lease(memory, owner, token), nbytes, shape, dtype)
 
 
 _new_array = np.ndarray.__new__
@@ -134,7 +128,7 @@ class HostPool:
             block = _new_block(size)
         # The lease is made straight over the block's memory, in the shape asked for. The
         # block is not an ndarray, so the plain view handed out keeps the lease as its base
-        # (see `Lease`), in two C calls where `lease_view` needs five.
+        # (see `Lease`), in two C calls where `make_lease` and `leased_array` need five.
         lease = _new_array(Lease, shape, dtype, block)
         lease._owner = self
         lease._token = block

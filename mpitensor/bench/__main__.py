@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["main"]
@@ -87,38 +88,33 @@ def main(argv: list[str] | None = None) -> int:
     say(f"mpitensor.bench: {info['mpi']}, {ranks} ranks on {', '.join(info['hosts'])} "
         f"({info['cores']} cores, {info['cpu']}); results in {args.out}/{name}*")
     written: list[str] = []
+
+    def publish(kind: str, result: dict[str, Any], fmt: Callable[..., str],
+                plot: Callable[[dict[str, Any], str], bool] | None = None) -> None:
+        """Keep `result` in the run; on rank 0 print it and write <name>-<kind>.md (and .png)."""
+        run[kind] = result
+        if rank != 0:
+            return
+        print(fmt(result, markdown=False), flush=True)
+        stem = os.path.join(args.out, f"{name}-{kind}")
+        write_text(stem + ".md", fmt(result))
+        written.append(stem + ".md")
+        if plot is not None and not args.no_plot and plot(result, stem + ".png"):
+            written.append(stem + ".png")
+
     if args.command in ("all", "sweep"):
         say(f"sweep: {format_size_list(sizes)}, variants {', '.join(variants)}")
         result = run_sweep(sizes, reps=args.reps, target=args.target, variants=variants, progress=say)
-        run["sweep"] = result
-        if rank == 0:
-            print(format_sweep(result, markdown=False), flush=True)
-            path = os.path.join(args.out, f"{name}-sweep")
-            write_text(path + ".md", format_sweep(result))
-            written.append(path + ".md")
-            if not args.no_plot and plot_sweep(result, path + ".png"):
-                written.append(path + ".png")
+        publish("sweep", result, format_sweep, plot_sweep)
     if args.command in ("all", "overlap"):
         say(f"overlap: {format_size_list(overlap_sizes)}")
         result = run_overlap(overlap_sizes, reps=args.reps, target=args.target, progress=say)
-        run["overlap"] = result
-        if rank == 0:
-            print(format_overlap(result, markdown=False), flush=True)
-            path = os.path.join(args.out, f"{name}-overlap")
-            write_text(path + ".md", format_overlap(result))
-            written.append(path + ".md")
-            if not args.no_plot and plot_overlap(result, path + ".png"):
-                written.append(path + ".png")
+        publish("overlap", result, format_overlap, plot_overlap)
     if args.command in ("all", "fused"):
         tensor_bytes = parse_size(args.tensor_bytes)
         say(f"fused: {args.count} tensors of {format_size(tensor_bytes)}")
         result = run_fused(args.count, tensor_bytes, reps=args.reps, target=args.target, progress=say)
-        run["fused"] = result
-        if rank == 0:
-            print(format_fused(result, markdown=False), flush=True)
-            path = os.path.join(args.out, f"{name}-fused.md")
-            write_text(path, format_fused(result))
-            written.append(path)
+        publish("fused", result, format_fused)
     if rank == 0:
         run["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         info["load_after"] = load_average()
