@@ -17,14 +17,12 @@ The API mirrors the distributed module of the Burn framework.
 
 from __future__ import annotations
 
-from ._all_gather import all_gather
-from ._all_reduce import all_reduce
-from ._all_to_all import all_to_all
-from ._broadcast import broadcast
+from . import _all_gather, _all_reduce, _all_to_all, _broadcast, _context, _reduce, _reduce_scatter
 from ._collective import CollectiveTensor
 from ._config import DistributedConfig, ReduceOperation
-from ._context import DistributedContext, barrier, current_context
+from ._context import DistributedContext, current_context
 from ._device import Device
+from ._entry import collective_entry
 from ._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -35,13 +33,20 @@ from ._errors import (
     MpitensorError,
     NoContextError,
     TensorInFlightError,
+    ThreadMisuseError,
 )
 from ._gradient_sync import GradientSync
 from ._mpi import defer_finalize
 from ._p2p import recv, send
-from ._reduce import reduce
-from ._reduce_scatter import reduce_scatter
 from ._tensor import Tensor, arange, as_tensor, empty, from_numpy, full, ones, tensor, zeros
+
+all_reduce = collective_entry("all_reduce")(_all_reduce.all_reduce)
+broadcast = collective_entry("broadcast")(_broadcast.broadcast)
+reduce = collective_entry("reduce")(_reduce.reduce)
+all_gather = collective_entry("all_gather")(_all_gather.all_gather)
+reduce_scatter = collective_entry("reduce_scatter")(_reduce_scatter.reduce_scatter)
+all_to_all = collective_entry("all_to_all")(_all_to_all.all_to_all)
+barrier = collective_entry("barrier")(_context.barrier)
 
 __version__ = "0.1.0"
 
@@ -62,6 +67,7 @@ __all__ = [
     "ReduceOperation",
     "Tensor",
     "TensorInFlightError",
+    "ThreadMisuseError",
     "__version__",
     "all_gather",
     "all_reduce",

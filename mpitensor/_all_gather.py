@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ._check import PER_RANK_SLOT, Record
+from ._check import Record
 from ._collective import CollectiveTensor, Later, context_for, result_device, start, take_input
 from ._context import DevicesArg
 from ._dtypes import mpi_datatype
@@ -68,8 +68,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
     device = result_device(ctx, source)
     comm = group.comm
 
-    def post(rows: np.ndarray) -> list[Any]:
-        lengths = [int(row[PER_RANK_SLOT]) for row in rows]
+    def post(lengths: list[int]) -> list[Any]:
         gathered = ctx._pool.empty((sum(lengths), *rest), array.dtype)
         # Gathered along the first axis; the result is a view with the axis moved back.
         later.value = Tensor(np.moveaxis(gathered, 0, axis) if axis else gathered, device)

@@ -1,18 +1,25 @@
 """The cross-rank consistency check: what ranks must agree on, and the error when they don't.
 
-Each collective describes itself as a fixed-size `Record` of integers: the operation, the
-reduce op, dtype, shape, root, group and a per-rank value (e.g. the first dimension of an
-`all_gather` input). Ranks compare the hash of the fields that must agree with one small
-all-reduce (MIN of ``[h, -h]`` gives the minimum and maximum at once); only when they
-differ do they gather the full records, to name what differs, the ranks and their values.
+Each collective describes itself as a `Record`: the operation, the reduce op, dtype,
+shape, root, group and a per-rank value (e.g. the first dimension of an `all_gather`
+input). Every check is the same small all-reduce on the group's check communicator,
+whatever the collective: MIN of ``[h, -h, v, -v]`` gives the minimum and maximum of the
+agreement hash ``h`` and of the per-rank value ``v`` at once. Two different collectives
+therefore always meet as one check, and only when the hashes differ do ranks exchange
+their full records (pickled `detail()`), to name what differs, the ranks and their values.
+
+Two hash values are reserved: `ABANDON` marks a rank that stands in for a check it will
+never call (see the diagnosis), `FAILED_CALL` a rank whose own call failed before it could
+take part (a bad argument), so that its peers learn of it instead of waiting.
 """
 
 from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -22,33 +29,23 @@ from ._errors import CollectiveMismatchError
 __all__ = [
     "ABANDON",
     "ABANDONED_KIND",
+    "CLOSE_KIND",
+    "FAILED_CALL",
+    "KIND_NAMES",
     "AbandonRecord",
+    "Record",
     "Waiting",
     "decode_waiting",
-    "MAX_DIMS",
-    "dtype_from_code",
-    "PER_RANK_SLOT",
-    "KIND_NAMES",
-    "RECORD_LEN",
-    "Record",
-    "agreement_hash",
     "dtype_code",
+    "dtype_from_code",
     "group_hash",
     "mismatch_error",
 ]
 
-MAX_DIMS = 8
-# kind, op, dtype, ndim, dims[8], root, group hash, group size, per-rank value, extra
-RECORD_LEN = 4 + MAX_DIMS + 5
-_KIND, _OP, _DTYPE, _NDIM, _DIMS = 0, 1, 2, 3, 4
-_ROOT = _DIMS + MAX_DIMS
-_GROUP, _GSIZE, _PER_RANK, _EXTRA = _ROOT + 1, _ROOT + 2, _ROOT + 3, _ROOT + 4
-PER_RANK_SLOT = _PER_RANK
-
-# Hashes are masked to 62 bits so that -h never overflows int64; -1 marks a rank that
-# abandons a check it cannot take part in (see the deadlock diagnosis).
+# Hashes are masked to 62 bits so that -h never overflows int64; negative values are reserved.
 _MASK = (1 << 62) - 1
 ABANDON = -1
+FAILED_CALL = -2
 
 KIND_NAMES = {
     1: "all_reduce",
@@ -60,13 +57,14 @@ KIND_NAMES = {
     7: "barrier",
     8: "fused all_reduce",
     9: "gradient sync",
+    10: "close",
     15: "no collective (abandoned)",
 }
 KIND_CODES = {name: code for code, name in KIND_NAMES.items()}
 ABANDONED_KIND = KIND_NAMES[15]
+CLOSE_KIND = KIND_NAMES[10]
 
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOperation)}
-_OP_NAMES = {code: op.name for op, code in _OP_CODES.items()}
 
 _DTYPE_LIST = [
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -133,9 +131,15 @@ class Record:
         group: the group's members (context ranks).
         per_rank: a value ranks may differ in (the gathered length of `all_gather`).
         extra: one more value that must agree (the gathered axis, a structure hash).
+
+    Attributes:
+        failure: for a call that failed on this rank before it could take part, the
+            error as text (its check then says `FAILED_CALL`).
+        entries: for fused calls, a function listing ``(key, shape, dtype)`` of every
+            tensor, called only to explain a mismatch.
     """
 
-    __slots__ = ("dtype", "extra", "group", "kind", "op", "per_rank", "root", "shape")
+    __slots__ = ("dtype", "entries", "extra", "failure", "group", "kind", "op", "per_rank", "root", "shape")
 
     def __init__(
         self,
@@ -156,6 +160,8 @@ class Record:
         self.group = group
         self.per_rank = per_rank
         self.extra = extra
+        self.failure: str | None = None
+        self.entries: Callable[[], list[tuple[str, tuple[int, ...], str]]] | None = None
 
     def agreement(self) -> int:
         """The hash of what every rank must agree on (all but the per-rank value).
@@ -174,26 +180,24 @@ class Record:
         )
         return hash(value) & _MASK
 
-    def encode(self) -> np.ndarray:
-        """The record as ``RECORD_LEN`` int64 values."""
-        out = np.zeros(RECORD_LEN, np.int64)
-        out[_KIND] = KIND_CODES[self.kind]
-        out[_OP] = 0 if self.op is None else _OP_CODES[self.op]
-        out[_DTYPE] = dtype_code(self.dtype)
-        if self.shape is None:
-            out[_NDIM] = -1
-        else:
-            out[_NDIM] = len(self.shape)
-            dims = list(self.shape[:MAX_DIMS])
-            if len(self.shape) > MAX_DIMS:
-                dims[-1] = hash(self.shape[MAX_DIMS - 1 :]) & _MASK
-            out[_DIMS : _DIMS + len(dims)] = dims
-        out[_ROOT] = self.root
-        out[_GROUP] = group_hash(self.group)
-        out[_GSIZE] = len(self.group)
-        out[_PER_RANK] = self.per_rank
-        out[_EXTRA] = self.extra
-        return out
+    def check_value(self) -> int:
+        """What this rank contributes to the check: the agreement hash or a reserved value."""
+        return FAILED_CALL if self.failure is not None else self.agreement()
+
+    def detail(self) -> dict[str, Any]:
+        """Everything this record says, as a picklable dict (exchanged on a mismatch)."""
+        return {
+            "kind": self.kind,
+            "op": None if self.op is None else self.op.name,
+            "dtype": dtype_code(self.dtype),
+            "shape": self.shape,
+            "root": self.root,
+            "group": tuple(self.group),
+            "per_rank": self.per_rank,
+            "extra": self.extra,
+            "failure": self.failure,
+            "entries": None if self.entries is None else self.entries(),
+        }
 
 
 class AbandonRecord(Record):
@@ -220,101 +224,65 @@ class AbandonRecord(Record):
         self.creating = creating
         self.doing = doing
 
-    def encode(self) -> np.ndarray:
-        """The record as ``RECORD_LEN`` int64 values."""
-        out = np.zeros(RECORD_LEN, np.int64)
-        out[_KIND] = KIND_CODES[ABANDONED_KIND]
-        out[_OP] = int(self.creating)
-        out[_NDIM] = len(self.waiting_on)
-        shown = self.waiting_on[:MAX_DIMS]
-        out[_DIMS : _DIMS + len(shown)] = shown
-        out[_ROOT] = self.waiting_seq
-        out[_GROUP] = group_hash(self.group)
-        out[_GSIZE] = len(self.group)
-        out[_PER_RANK] = KIND_CODES.get(self.doing, 0)
-        out[_EXTRA] = group_hash(self.waiting_on)
+    def check_value(self) -> int:
+        """Always `ABANDON`: the check must fail on every member."""
+        return ABANDON
+
+    def detail(self) -> dict[str, Any]:
+        """The record as a picklable dict, with where this rank waits instead."""
+        out = super().detail()
+        out["waiting"] = (tuple(self.waiting_on), self.waiting_seq, self.creating, self.doing)
         return out
 
 
 @dataclass(frozen=True)
 class Waiting:
-    """Where a rank that abandoned a check is stuck (decoded from its record)."""
+    """Where a rank that abandoned a check is stuck (from its record's detail)."""
 
-    shown: tuple[int, ...]  # the group's first members (all of them up to MAX_DIMS)
-    count: int
-    hash: int
+    members: tuple[int, ...]
     seq: int
     creating: bool
     doing: str
 
-    @property
-    def complete(self) -> bool:
-        """True when `shown` lists every member."""
-        return len(self.shown) == self.count
 
-
-def decode_waiting(row: np.ndarray) -> Waiting | None:
-    """Where the rank of `row` is stuck, if `row` is an abandon record."""
-    if int(row[_KIND]) != KIND_CODES[ABANDONED_KIND]:
+def decode_waiting(detail: dict[str, Any]) -> Waiting | None:
+    """Where the rank of `detail` is stuck, if `detail` is an abandon record's."""
+    waiting = detail.get("waiting")
+    if waiting is None:
         return None
-    count = int(row[_NDIM])
-    shown = tuple(int(v) for v in row[_DIMS : _DIMS + min(count, MAX_DIMS)])
-    return Waiting(shown, count, int(row[_EXTRA]), int(row[_ROOT]), bool(row[_OP]),
-                   KIND_NAMES.get(int(row[_PER_RANK]), "a collective"))
+    members, seq, creating, doing = waiting
+    return Waiting(tuple(members), int(seq), bool(creating), str(doing))
 
 
-def agreement_hash(encoded: np.ndarray) -> int:
-    """The hash of the fields every rank must agree on (all but the per-rank value)."""
-    return hash(tuple(int(v) for i, v in enumerate(encoded) if i != _PER_RANK)) & _MASK
-
-
-def _shape_text(row: np.ndarray) -> str:
-    ndim = int(row[_NDIM])
-    if ndim < 0:
+def _shape_text(shape: tuple[int, ...] | None) -> str:
+    if shape is None:
         return "none"
-    dims = [int(d) for d in row[_DIMS : _DIMS + min(ndim, MAX_DIMS)]]
-    if ndim > MAX_DIMS:
-        dims[-1:] = ["..."]  # type: ignore[list-item]
-    text = ", ".join("?" if d == -1 else str(d) for d in dims)
-    return f"({text},)" if ndim == 1 else f"({text})"
+    text = ", ".join("?" if d == -1 else str(d) for d in shape)
+    return f"({text},)" if len(shape) == 1 else f"({text})"
 
 
 # (field, what it is called, how one rank "sent" it)
-_FIELDS = [
-    ("kind", "operations", lambda r: f"called {KIND_NAMES.get(int(r[_KIND]), '?')}"),
-    ("group", "groups", lambda r: f"used a group of {int(r[_GSIZE])} ranks (hash {int(r[_GROUP]):x})"),
-    ("op", "reduce ops", lambda r: f"asked for {_OP_NAMES.get(int(r[_OP]), 'no op')}"),
-    ("dtype", "tensor dtypes", lambda r: f"sent a tensor of dtype {_dtype_name(int(r[_DTYPE]))}"),
-    ("shape", "tensor shapes", lambda r: f"sent a tensor of shape {_shape_text(r)}"),
-    ("root", "roots", lambda r: f"named root {int(r[_ROOT])}"),
-    ("extra", "arguments", lambda r: f"passed argument {int(r[_EXTRA])}"),
+_FIELDS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
+    ("kind", "operations", lambda d: f"called {d['kind']}"),
+    ("group", "groups", lambda d: f"used group {list(d['group'])}"),
+    ("op", "reduce ops", lambda d: f"asked for {d['op'] or 'no op'}"),
+    ("dtype", "tensor dtypes", lambda d: f"sent a tensor of dtype {_dtype_name(d['dtype'])}"),
+    ("shape", "tensor shapes", lambda d: f"sent a tensor of shape {_shape_text(d['shape'])}"),
+    ("root", "roots", lambda d: f"named root {d['root']}"),
+    ("extra", "arguments", lambda d: f"passed argument {d['extra']}"),
 ]
-_FIELD_SLICES = {
-    "kind": slice(_KIND, _KIND + 1),
-    "group": slice(_GROUP, _GSIZE + 1),
-    "op": slice(_OP, _OP + 1),
-    "dtype": slice(_DTYPE, _DTYPE + 1),
-    "shape": slice(_NDIM, _DIMS + MAX_DIMS),
-    "root": slice(_ROOT, _ROOT + 1),
-    "extra": slice(_EXTRA, _EXTRA + 1),
-}
 
 
-def _groups_line(rows: Sequence[np.ndarray], members: Sequence[int]) -> str:
+def _groups_line(details: Sequence[dict[str, Any]], members: Sequence[int]) -> str:
     """Describe ranks that are in a collective on another group (their abandon records)."""
-    code = KIND_CODES[ABANDONED_KIND]
-    away = [(m, row) for m, row in zip(members, rows) if int(row[_KIND]) == code]
-    here = [(m, row) for m, row in zip(members, rows) if int(row[_KIND]) != code]
-    m, row = away[0]
-    waiting = decode_waiting(row)
+    away = [(m, d) for m, d in zip(members, details) if d["kind"] == ABANDONED_KIND]
+    here = [(m, d) for m, d in zip(members, details) if d["kind"] != ABANDONED_KIND]
+    m, detail = away[0]
+    waiting = decode_waiting(detail)
     assert waiting is not None
-    where = str(list(waiting.shown))
-    if not waiting.complete:
-        where = f"{where[:-1]}, ...] ({waiting.count} ranks)"
-    doing = waiting.doing
-    group = list(members)
+    where, doing, group = list(waiting.members), waiting.doing, list(members)
     if here:
-        kinds = sorted({KIND_NAMES.get(int(r[_KIND]), "a collective") for _, r in here})
+        kinds = sorted({d["kind"] for _, d in here})
         return (
             f"Mismatched groups: ranks {[h for h, _ in here]} called {' / '.join(kinds)} on group {group}, "
             f"but rank {m} is in {doing} on group {where} (and waits there for them); every member of a "
@@ -323,43 +291,94 @@ def _groups_line(rows: Sequence[np.ndarray], members: Sequence[int]) -> str:
     return f"Mismatched groups: rank {m} is in {doing} on group {where} instead of a collective on group {group}"
 
 
+def _failures_line(details: Sequence[dict[str, Any]], members: Sequence[int]) -> str:
+    failed = [(m, d) for m, d in zip(members, details) if d["failure"] is not None]
+    fine = [m for m, d in zip(members, details) if d["failure"] is None]
+    said = "; ".join(f"rank {m}'s {d['kind']} failed on that rank: {d['failure']}" for m, d in failed)
+    return (
+        f"Collective failed on another rank: {said}. Nothing was sent; ranks {fine} called "
+        f"{' / '.join(sorted({d['kind'] for m, d in zip(members, details) if d['failure'] is None}))} "
+        "with it, and the next collective proceeds normally"
+    )
+
+
+def _close_line(details: Sequence[dict[str, Any]], members: Sequence[int]) -> str:
+    left = [m for m, d in zip(members, details) if d["kind"] == CLOSE_KIND]
+    others = [(m, d) for m, d in zip(members, details) if d["kind"] != CLOSE_KIND]
+    kinds = " / ".join(sorted({d["kind"] for _, d in others}))
+    return (
+        f"Rank(s) {left} closed the context (or left the program) while ranks {[m for m, _ in others]} "
+        f"called {kinds} on group {list(members)}: the departed ranks take part in no more collectives "
+        "of this context; close it on every rank"
+    )
+
+
+def _entries_line(details: Sequence[dict[str, Any]], members: Sequence[int]) -> str | None:
+    """For fused calls: the first tensor whose key, shape or dtype differs between ranks."""
+    lists = [d["entries"] for d in details]
+    if any(entries is None for entries in lists):
+        return None
+    first, first_rank = lists[0], members[0]
+    for entries, rank in zip(lists[1:], members[1:]):
+        if entries == first:
+            continue
+        if len(entries) != len(first):
+            return (f"Mismatched {details[0]['kind']} structures: rank {first_rank} passed {len(first)} tensors, "
+                    f"but rank {rank} passed {len(entries)}")
+        for index, (mine, theirs) in enumerate(zip(first, entries)):
+            if mine != theirs:
+                return (
+                    f"Mismatched {details[0]['kind']} entries at index {index}: rank {first_rank} passed "
+                    f"{_entry_text(mine)}, but rank {rank} passed {_entry_text(theirs)}"
+                )
+    return None
+
+
+def _entry_text(entry: tuple[str, tuple[int, ...], str]) -> str:
+    key, shape, dtype = entry
+    return f"{key}: shape {_shape_text(tuple(shape))} {dtype}"
+
+
 def mismatch_error(
-    records: np.ndarray,
+    details: Sequence[dict[str, Any]],
     members: Sequence[int],
     notes: Sequence[str] = (),
 ) -> CollectiveMismatchError:
     """Build the error that names what differs between ranks' records.
 
     Args:
-        records: one encoded record per group member, in group order.
+        details: one `Record.detail()` per group member, in group order.
         members: the members' context ranks, in group order.
         notes: extra lines (e.g. what an abandoning rank was doing instead).
     """
-    rows = [np.asarray(r) for r in records]
-    abandoned = [m for m, row in zip(members, rows) if int(row[_KIND]) == KIND_CODES[ABANDONED_KIND]]
-    if abandoned:
-        return CollectiveMismatchError("\n".join([_groups_line(rows, members), *notes]))
-    first_name = KIND_NAMES.get(int(rows[0][_KIND]), "collective")
+    details = list(details)
+    if any(d["kind"] == ABANDONED_KIND for d in details):
+        return CollectiveMismatchError("\n".join([_groups_line(details, members), *notes]))
+    if any(d["failure"] is not None for d in details):
+        return CollectiveMismatchError("\n".join([_failures_line(details, members), *notes]))
+    if any(d["kind"] == CLOSE_KIND for d in details):
+        return CollectiveMismatchError("\n".join([_close_line(details, members), *notes]))
+    first_name = details[0]["kind"]
     lines: list[str] = []
+    entries = _entries_line(details, members)
     for field, plural, describe in _FIELDS:
-        key = _FIELD_SLICES[field]
-        values: dict[tuple[int, ...], list[int]] = {}
-        for member, row in zip(members, rows):
-            if int(row[_KIND]) == KIND_CODES["no collective (abandoned)"] and field != "kind":
-                continue
-            values.setdefault(tuple(int(v) for v in row[key]), []).append(member)
+        if entries is not None and field in ("dtype", "shape", "extra"):
+            continue  # a fused call's totals and hash: the entries line says what differs instead
+        values: dict[Any, list[int]] = {}
+        for member, detail in zip(members, details):
+            values.setdefault(detail[field], []).append(member)
         if len(values) <= 1:
             continue
-        groups = list(values.items())
-        (value_a, ranks_a), (value_b, ranks_b) = groups[0], groups[1]
-        row_a = rows[list(members).index(ranks_a[0])]
-        row_b = rows[list(members).index(ranks_b[0])]
-        detail = "; ".join(f"{describe(rows[list(members).index(r[0])])}: ranks {r}" for _, r in groups)
+        groups = list(values.values())
+        first_of = {r[0]: details[list(members).index(r[0])] for r in groups}
+        ranks_a, ranks_b = groups[0], groups[1]
+        summary = "; ".join(f"{describe(first_of[r[0]])}: ranks {r}" for r in groups)
         lines.append(
-            f"Mismatched {first_name} {plural}: one rank (rank {ranks_a[0]}) {describe(row_a)}, "
-            f"but rank {ranks_b[0]} {describe(row_b)} [{detail}]"
+            f"Mismatched {first_name} {plural}: one rank (rank {ranks_a[0]}) {describe(first_of[ranks_a[0]])}, "
+            f"but rank {ranks_b[0]} {describe(first_of[ranks_b[0]])} [{summary}]"
         )
-        del value_a, value_b
+    if entries is not None:
+        lines.append(entries)
     if not lines:
         lines.append(f"Mismatched {first_name} arguments across ranks {list(members)}")
     lines.extend(notes)

@@ -12,16 +12,18 @@ import operator
 import os
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 from . import _failfast, _mpi, _state
+from ._check import CLOSE_KIND, Record
 from ._config import DistributedConfig
 from ._device import Device, choose_device, local_rank_from_env
 from ._diagnosis import Diagnosis
 from ._engine import Engine, Group
-from ._errors import ContextBrokenError, ContextClosedError, DeviceError
+from ._errors import CollectiveMismatchError, ContextBrokenError, ContextClosedError, DeviceError
 from ._mpi import MPI
 from ._pool import HostPool
 from ._progress import ProgressThread
@@ -90,6 +92,8 @@ class DistributedContext:
         self._thread_level = thread_level
         self._closed = False
         self._broken: str | None = None
+        self.owner_thread = threading.get_ident()  # the one thread that may call collectives
+        self.owner_thread_name = threading.current_thread().name
         self._groups: dict[tuple[int, ...], Group] = {}
         if len(members) == world_size:
             comm = world.Dup()
@@ -239,7 +243,9 @@ class DistributedContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is None:
+        if exc_type is None or issubclass(exc_type, SystemExit):
+            # sys.exit() inside the block is a way of leaving, not a failure: close, so
+            # that peers still calling collectives are told this rank left.
             self.close()
         else:
             self._leave_on_exception()
@@ -258,6 +264,8 @@ class DistributedContext:
             return
         if self._broken is None:
             self._engine.drain(self._timeout)
+            if self._size > 1:
+                self._say_goodbye()
         # A broken context keeps its communicators (a collective stuck on them is still in
         # flight), but its progress thread has nothing left to do.
         self._stop_progress()
@@ -267,6 +275,23 @@ class DistributedContext:
         remaining = _state.pop(self)
         if self._broken is None and _mpi.release(remaining):
             _failfast.disarm_left_contexts()
+
+    def _say_goodbye(self) -> None:
+        """Close on every rank together, and tell peers still calling collectives that this rank left.
+
+        The close is a check of its own on the whole context: where a peer is in a
+        collective instead, both checks fail, so the peer raises `CollectiveMismatchError`
+        naming this rank instead of waiting for it forever. This rank then checks again,
+        until every rank closes.
+        """
+        record = Record(CLOSE_KIND, None, None, None, -1, self._full.members)
+        while True:
+            op = self._engine.post_stand_in(CLOSE_KIND, self._full, record)
+            try:
+                self._engine.wait(op, self._timeout)
+                return
+            except CollectiveMismatchError:
+                continue
 
     def _leave_on_exception(self) -> None:
         """Close without waiting on peers: an exception is propagating."""
@@ -368,6 +393,8 @@ class DistributedContext:
         if group is None:
             group = self._create_group(members, doing)
         return group
+
+    group_of = _group
 
     def _members(self, devices: DevicesArg) -> tuple[int, ...]:
         if isinstance(devices, (Device, int, str)) or not isinstance(devices, Sequence):

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._check import AbandonRecord, Waiting, group_hash
+from ._check import AbandonRecord, Waiting
 from ._engine import CHECKING, QUEUED, Op, _Backoff
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError
 from ._mpi import MPI
@@ -158,17 +158,9 @@ class Diagnosis:
             waiting: where its record says it is stuck.
             mine: this rank's failed wait (what its own abandon records will name).
         """
-        members = waiting.shown if waiting.complete else self._members_by_hash(waiting.hash)
-        if members is None or self.me not in members:
+        if self.me not in waiting.members:
             return
-        self._fill(Wait(members, waiting.seq, waiting.creating, waiting.doing), mine)
-
-    def _members_by_hash(self, wanted: int) -> tuple[int, ...] | None:
-        known = list(self.ctx._groups) + list(self.attempts) + [tuple(n["members"]) for n in self.notes.values()]
-        for members in known:
-            if group_hash(members) == wanted:
-                return members
-        return None
+        self._fill(Wait(waiting.members, waiting.seq, waiting.creating, waiting.doing), mine)
 
     # -- hooks the engine and context call ------------------------------------------------------
 

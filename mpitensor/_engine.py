@@ -14,6 +14,7 @@ holds its `CollectiveTensor`; that is what makes dropping a handle safe.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 from collections import deque
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ._check import ABANDON, ABANDONED_KIND, RECORD_LEN, Record, agreement_hash, decode_waiting, mismatch_error
+from ._check import ABANDON, ABANDONED_KIND, FAILED_CALL, Record, decode_waiting, mismatch_error
 from ._errors import CollectiveTimeoutError, ContextBrokenError
 from ._mpi import MPI
 
@@ -41,6 +42,22 @@ COMPLETE = 3  # MPI is done; the result is final
 FAILED = 4  # the check found a mismatch; nothing was sent
 
 _STATE_NAMES = ("checking", "queued", "posted", "complete", "failed")
+
+# Stages of a check: the agreement all-reduce on the check communicator; then, on the
+# detail communicator and only when needed, the per-rank values (all_gatherv's lengths),
+# or the sizes and then the bytes of every rank's full record (a mismatch).
+_AGREE, _PER_RANK, _DETAIL_SIZES, _DETAIL = 1, 2, 3, 4
+
+_REAP_AFTER = 64  # posted ops beyond which each new one reaps the oldest completed ones
+_MAX_POSTED = 512  # posted ops beyond which a new one waits for the oldest
+
+
+def _unpack_details(data: np.ndarray, sizes: list[int]) -> list[dict[str, Any]]:
+    details, offset = [], 0
+    for size in sizes:
+        details.append(pickle.loads(data[offset : offset + size].tobytes()))
+        offset += size
+    return details
 
 
 class Stepper(Protocol):
@@ -105,16 +122,17 @@ class Op:
         record: what this rank says about the call, or None to skip the check.
         keep: objects (buffers) to keep alive until MPI is done.
         protections: inputs and outputs to protect from writes until MPI is done.
-        exchange: all-gather the records before posting (``all_gather`` needs every
-            rank's length); `post` then receives the gathered rows.
+        exchange: learn every rank's `Record.per_rank` before posting (``all_gather``
+            needs every rank's length); `post` then receives them, in group order.
         compare: compare the records (the consistency check); with `exchange` alone the
-            records are only gathered.
+            per-rank values are only exchanged.
     """
 
     __slots__ = (
         "check_recv",
         "check_req",
         "check_send",
+        "check_sizes",
         "check_stage",
         "compare",
         "error",
@@ -197,6 +215,7 @@ class Engine:
         self.posted: list[Op] = []  # ops whose data is in flight
         self.waiting_groups: set[Group] = set()  # groups with a non-empty queue
         self.stepping = 0  # posted ops driven by steps rather than by MPI alone
+        self.checks_posted = 0  # on every group, for the failed turns of `_entry`
         self.progress_thread: ProgressThread | None = None
 
     # -- starting ----------------------------------------------------------------------
@@ -218,15 +237,16 @@ class Engine:
             if op.record is None and not group.queue:
                 self._post_data(op)
                 return
-            if op.record is not None:
-                self._post_check(op)
+            try:
+                if op.record is not None:
+                    self._post_check(op)
+                else:
+                    op.state = QUEUED
                 group.queue.append(op)
                 self.waiting_groups.add(group)
-            else:
-                op.state = QUEUED
-                group.queue.append(op)
-                self.waiting_groups.add(group)
-            self._pump(group)
+                self._pump(group)
+            except MPI.Exception as exc:
+                raise self._mpi_failed(exc, op) from exc
         if op.state == CHECKING:
             self._wait_check(op, self.ctx.config.check_grace if grace is None else grace)
         if op.state == FAILED:
@@ -246,39 +266,38 @@ class Engine:
         if ctx._broken is not None or ctx._closed:
             ctx._ensure_usable()
         with self.lock:
-            if not op.group.queue:
+            direct = not op.group.queue
+            if direct:
                 try:
                     op.requests = [start(*args)]
                 except MPI.Exception as exc:
-                    message = f"MPI failed to start {op.describe()}: {exc}"
-                    ctx._mark_broken(message)
-                    raise ContextBrokenError(message) from exc
+                    raise self._mpi_failed(exc, op) from exc
                 op.state = POSTED
                 self.posted.append(op)
-                return
-        op.post = lambda: [start(*args)]
-        self.submit(op)
+                if len(self.posted) > _REAP_AFTER:
+                    self._reap_oldest()
+        if not direct:
+            op.post = lambda: [start(*args)]
+            self.submit(op)
+        elif len(self.posted) > _MAX_POSTED:
+            self._hold_back()
 
     def _post_check(self, op: Op) -> None:
         group = op.group
         op.state = CHECKING
         op.seq = group.check_seq
         group.check_seq += 1
+        self.checks_posted += 1
         record = op.record
         assert record is not None
-        if op.exchange:
-            # Ranks need each other's per-rank values (sizes of all_gatherv): gather the
-            # whole records; comparing them is the check.
-            op.check_send = record.encode()
-            op.check_recv = np.empty((group.size, RECORD_LEN), np.int64)
-            op.check_req = group.check_comm.Iallgather(op.check_send, op.check_recv)
-            op.check_stage = 2
-        else:
-            value = ABANDON if record.kind == ABANDONED_KIND else record.agreement()
-            op.check_send = np.array([value, -value], np.int64)
-            op.check_recv = np.empty(2, np.int64)
-            op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
-            op.check_stage = 1
+        # Every check has this one shape, whatever the collective, so that two different
+        # collectives meet as a mismatch rather than as mismatched MPI calls.
+        value = record.check_value() if op.compare else 0
+        per_rank = record.per_rank
+        op.check_send = np.array([value, -value, per_rank, -per_rank], np.int64)
+        op.check_recv = np.empty(4, np.int64)
+        op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
+        op.check_stage = _AGREE
 
     def _advance_check(self, op: Op) -> bool:
         """Move `op`'s check along; True once it has passed (or failed)."""
@@ -287,31 +306,59 @@ class Engine:
         if not op.check_req.Test():
             return False
         group = op.group
-        if op.check_stage == 1:
-            low, neg_high = (int(v) for v in op.check_recv)
-            if low == -neg_high and low != ABANDON:
-                self._check_passed(op)
+        stage = op.check_stage
+        received = op.check_recv
+        if stage == _AGREE:
+            low, high = int(received[0]), -int(received[1])
+            if low != high or low == ABANDON:
+                self._gather_detail_sizes(op)
+                return False
+            if low == FAILED_CALL:  # every rank's call failed on that rank, and each raised there
+                self._fail(op)
                 return True
-            # Disagreement: gather the full records to say exactly what differs.
-            assert op.record is not None
-            op.check_send = op.record.encode()
-            op.check_recv = np.empty((group.size, RECORD_LEN), np.int64)
-            op.check_req = group.detail_comm.Iallgather(op.check_send, op.check_recv)
-            op.check_stage = 3
+            shortest, longest = int(received[2]), -int(received[3])
+            if op.exchange and shortest != longest:
+                # The per-rank values differ (all_gatherv's lengths): gather them. Posted on
+                # the detail communicator, in call order, like every later stage.
+                op.check_send = np.array([op.record.per_rank], np.int64)
+                op.check_recv = np.empty(group.size, np.int64)
+                op.check_req = group.detail_comm.Iallgather(op.check_send, op.check_recv)
+                op.check_stage = _PER_RANK
+                return False
+            op.gathered = [shortest] * group.size
+        elif stage == _PER_RANK:
+            op.gathered = [int(v) for v in received]
+        elif stage == _DETAIL_SIZES:
+            sizes = [int(v) for v in received]
+            op.check_recv = np.empty(sum(sizes), np.uint8)
+            displacements = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+            op.check_req = group.detail_comm.Iallgatherv(
+                [op.check_send, MPI.BYTE], [op.check_recv, sizes, displacements, MPI.BYTE]
+            )
+            op.check_sizes = sizes
+            op.check_stage = _DETAIL
             return False
-        rows = op.check_recv
-        if op.check_stage == 2 and (
-            not op.compare or len({agreement_hash(row) for row in rows}) == 1
-        ):
-            op.gathered = rows
-            self._check_passed(op)
+        else:
+            details = _unpack_details(received, op.check_sizes)
+            op.error = mismatch_error(details, group.members)
+            self._fail(op)
+            self._answer_abandoners(op, details)
             return True
-        op.error = mismatch_error(rows, group.members)
-        self._fail(op)
-        self._answer_abandoners(op, rows)
+        self._check_passed(op)
         return True
 
-    def _answer_abandoners(self, op: Op, rows: np.ndarray) -> None:
+    def _gather_detail_sizes(self, op: Op) -> None:
+        """The ranks disagree: exchange the full records to say exactly what differs."""
+        assert op.record is not None
+        payload = pickle.dumps(op.record.detail(), protocol=pickle.HIGHEST_PROTOCOL)
+        op.check_send = np.frombuffer(payload, np.uint8)
+        size = np.array([len(payload)], np.int64)
+        op.check_recv = np.empty(op.group.size, np.int64)
+        op.check_req = op.group.detail_comm.Iallgather(size, op.check_recv)
+        op.check_sizes = size  # kept alive until the gather completes
+        op.check_stage = _DETAIL_SIZES
+
+    def _answer_abandoners(self, op: Op, details: list[dict[str, Any]]) -> None:
         """Members that abandoned this check are stuck elsewhere waiting for this rank."""
         diagnosis = self.ctx._diagnosis
         if diagnosis is None or op.record is None or op.record.kind == ABANDONED_KIND:
@@ -319,8 +366,8 @@ class Engine:
         from ._diagnosis import Wait
 
         mine = Wait(op.group.members, op.seq, False, op.name)
-        for member, row in zip(op.group.members, rows):
-            waiting = decode_waiting(row)
+        for member, detail in zip(op.group.members, details):
+            waiting = decode_waiting(detail)
             if waiting is not None:
                 diagnosis.answer(member, waiting, mine)
 
@@ -354,6 +401,8 @@ class Engine:
         if op.requests or op.stepper is not None:
             op.state = POSTED
             self.posted.append(op)
+            if len(self.posted) > _REAP_AFTER:
+                self._reap_oldest()
             if self.progress_thread is not None:
                 self.progress_thread.wake(op.nbytes)
         else:
@@ -379,18 +428,58 @@ class Engine:
     # -- progress and completion ---------------------------------------------------------
 
     def progress(self) -> None:
-        """Advance everything in flight without blocking."""
+        """Advance everything in flight without blocking.
+
+        Raises:
+            ContextBrokenError: MPI reported an error (the context is then broken).
+        """
         with self.lock:
-            for group in list(self.waiting_groups):
-                self._pump(group)
-            if self.posted:
-                still = []
-                for op in self.posted:
-                    if op.stepper.advance() if op.stepper is not None else MPI.Request.Testall(op.requests):
-                        self._complete(op)
-                    else:
-                        still.append(op)
-                self.posted = still
+            try:
+                for group in list(self.waiting_groups):
+                    self._pump(group)
+                if self.posted:
+                    self._reap()
+            except MPI.Exception as exc:
+                raise self._mpi_failed(exc, None) from exc
+
+    def _reap(self) -> None:
+        """Complete the posted ops that MPI is done with (call with the lock held)."""
+        still = []
+        for op in self.posted:
+            if op.stepper.advance() if op.stepper is not None else MPI.Request.Testall(op.requests):
+                self._complete(op)
+            else:
+                still.append(op)
+        self.posted = still
+
+    def _reap_oldest(self) -> None:
+        """Complete the oldest posted ops that MPI is done with (call with the lock held).
+
+        Called as ops are posted while many are in flight (handles dropped unresolved, as
+        in fire-and-forget logging): each call drives MPI's progress once, and the
+        completed ops give their buffers back to the pool. A rank that runs more than
+        `_MAX_POSTED` ops ahead waits for its oldest (`_hold_back`), which bounds the
+        memory they hold.
+        """
+        posted = self.posted
+        while posted:
+            op = posted[0]
+            if op.stepper is not None or not MPI.Request.Testall(op.requests):
+                return
+            del posted[0]
+            self._complete(op)
+
+    def _hold_back(self) -> None:
+        """Wait for the oldest posted op while more than `_MAX_POSTED` are in flight."""
+        while len(self.posted) > _MAX_POSTED:
+            self.wait(self.posted[0], self.ctx.timeout)
+
+    def _mpi_failed(self, exc: BaseException, op: Op | None) -> ContextBrokenError:
+        """The error for an MPI failure inside `op` (or the engine), breaking the context."""
+        what = op.describe() if op is not None else "a collective in flight"
+        message = f"MPI failed in {what} on rank {self.ctx.rank}: {exc}"
+        self.ctx._mark_broken(message)
+        return ContextBrokenError(message)
 
     def _complete(self, op: Op) -> None:
         op.requests = []
@@ -422,11 +511,23 @@ class Engine:
         that peer elsewhere: the check completes as a mismatch on every member, and the
         group's sequence of checks stays aligned.
         """
-        op = Op("abandoned", group, 0, lambda: [], record=record)
+        # Not pumped here: the diagnosis posts it while the engine examines checks.
+        self.post_stand_in("abandoned", group, record, pump=False)
+
+    def post_stand_in(self, name: str, group: Group, record: Record, pump: bool = True) -> Op:
+        """Post a check for a call that moves no data: it only tells the peers `record`.
+
+        Used for a call that failed on this rank (`Record.failure`), an abandoned check,
+        and the context's close; the returned op completes (or fails) like any other.
+        """
+        op = Op(name, group, 0, lambda: [], record=record)
         with self.lock:
             self._post_check(op)
             group.queue.append(op)
             self.waiting_groups.add(group)
+            if pump:
+                self._pump(group)
+        return op
 
     def protect_outputs(self, op: Op, value: Any) -> None:
         """Make `value`'s tensors refuse writes until `op` completes (for assume_resolved)."""
@@ -464,10 +565,13 @@ class Engine:
                 with self.lock:
                     if op.state == POSTED and not self.waiting_groups:
                         requests = op.requests
-                        if len(requests) == 1:
-                            requests[0].Wait()
-                        else:
-                            MPI.Request.Waitall(requests)
+                        try:
+                            if len(requests) == 1:
+                                requests[0].Wait()
+                            else:
+                                MPI.Request.Waitall(requests)
+                        except MPI.Exception as exc:
+                            raise self._mpi_failed(exc, op) from exc
                         self.posted.remove(op)
                         if op.finish is None and not op.protections:
                             # What _complete does for the plain case, inlined: this is
@@ -495,7 +599,10 @@ class Engine:
         while op.state == CHECKING:
             with self.lock:
                 if group.queue and group.queue[0] is op:
-                    self._pump(group)  # the usual case: only this group has work to do
+                    try:
+                        self._pump(group)  # the usual case: only this group has work to do
+                    except MPI.Exception as exc:
+                        raise self._mpi_failed(exc, op) from exc
                 else:
                     self.progress()
             if op.state != CHECKING or time.monotonic() >= deadline:

@@ -17,6 +17,7 @@ __all__ = [
     "MpitensorError",
     "NoContextError",
     "TensorInFlightError",
+    "ThreadMisuseError",
 ]
 
 
@@ -65,4 +66,12 @@ class TensorInFlightError(MpitensorError, RuntimeError, ValueError):
     """A tensor was written while a collective reads or writes it.
 
     Also a `ValueError`, as NumPy raises for writes to a read-only array.
+    """
+
+
+class ThreadMisuseError(MpitensorError, RuntimeError):
+    """A collective was called from another thread than the one that opened its context.
+
+    Ranks run collectives in call order; calls from several threads would interleave
+    differently on each rank and pair one thread's data with another's.
     """

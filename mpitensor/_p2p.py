@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._check import MAX_DIMS, dtype_code, dtype_from_code
+from ._check import dtype_code, dtype_from_code
 from ._collective import CollectiveTensor, Later, context_for, result_device, root_rank, start, take_input
 from ._context import DistributedContext
 from ._device import Device
@@ -24,6 +24,7 @@ from ._tensor import Tensor
 __all__ = ["recv", "send"]
 
 MAX_TAG = (1 << 14) - 1
+MAX_DIMS = 8  # dimensions a point-to-point header describes
 _HEADER = 2 + MAX_DIMS  # dtype code, ndim, dims
 
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from ._pool import Lease
 from ._tensor import Tensor
 
-__all__ = ["Protection", "restorable"]
+__all__ = ["Protection", "foreign", "restorable"]
 
 _lock = threading.Lock()
 # id(array) -> [array, count, was_writeable]; the array is held so its id stays unique.
@@ -44,6 +45,21 @@ def restorable(array: np.ndarray) -> bool:
             return not view.readonly
     except TypeError:
         return False
+
+
+def foreign(array: np.ndarray) -> bool:
+    """True if `array`'s memory belongs to an object other than NumPy or mpitensor's pool.
+
+    Such memory (a torch tensor's, a ctypes buffer, a bytearray, a DLPack export) can be
+    written through its owner, which making the array read-only does not stop: a collective
+    must copy it instead.
+    """
+    base = array
+    while isinstance(base, np.ndarray):
+        if base.base is None or isinstance(base, Lease):
+            return False
+        base = base.base
+    return True
 
 
 class Protection:
