@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ __all__ = [
     "AbandonRecord",
     "Record",
     "Waiting",
+    "cycle_text",
     "decode_waiting",
     "dtype_code",
     "dtype_from_code",
@@ -212,17 +213,19 @@ class AbandonRecord(Record):
         waiting_seq: the place of that wait in that group's sequence of checks.
         creating: True if the wait is that group's creation.
         doing: the operation this rank waits in.
+        cycle: the wait cycle found, as (rank, where it waits) pairs, if any.
     """
 
-    __slots__ = ("creating", "doing", "waiting_on", "waiting_seq")
+    __slots__ = ("creating", "cycle", "doing", "waiting_on", "waiting_seq")
 
     def __init__(self, group: tuple[int, ...], waiting_on: tuple[int, ...], waiting_seq: int, creating: bool,
-                 doing: str) -> None:
+                 doing: str, cycle: Sequence[tuple[int, dict[str, Any]]] = ()) -> None:
         super().__init__(ABANDONED_KIND, None, None, None, -1, group)
         self.waiting_on = waiting_on
         self.waiting_seq = waiting_seq
         self.creating = creating
         self.doing = doing
+        self.cycle = tuple(cycle)
 
     def check_value(self) -> int:
         """Always `ABANDON`: the check must fail on every member."""
@@ -232,6 +235,7 @@ class AbandonRecord(Record):
         """The record as a picklable dict, with where this rank waits instead."""
         out = super().detail()
         out["waiting"] = (tuple(self.waiting_on), self.waiting_seq, self.creating, self.doing)
+        out["cycle"] = self.cycle
         return out
 
 
@@ -243,6 +247,7 @@ class Waiting:
     seq: int
     creating: bool
     doing: str
+    cycle: tuple[tuple[int, dict[str, Any]], ...] = field(default=(), hash=False, compare=False)
 
 
 def decode_waiting(detail: dict[str, Any]) -> Waiting | None:
@@ -251,7 +256,20 @@ def decode_waiting(detail: dict[str, Any]) -> Waiting | None:
     if waiting is None:
         return None
     members, seq, creating, doing = waiting
-    return Waiting(tuple(members), int(seq), bool(creating), str(doing))
+    return Waiting(tuple(members), int(seq), bool(creating), str(doing), tuple(detail.get("cycle", ())))
+
+
+def cycle_text(cycle: Sequence[tuple[int, dict[str, Any]]]) -> str:
+    """A wait cycle in words: who waits on which group, for whom.
+
+    Args:
+        cycle: (rank, where it waits) pairs; each waits for the next, the last for the first.
+    """
+    steps = [
+        f"rank {rank} waits on group {list(where['members'])} for rank {cycle[(i + 1) % len(cycle)][0]}"
+        for i, (rank, where) in enumerate(cycle)
+    ]
+    return "Wait cycle: " + ", ".join(steps)
 
 
 def _shape_text(shape: tuple[int, ...] | None) -> str:
@@ -306,8 +324,9 @@ def _close_line(details: Sequence[dict[str, Any]], members: Sequence[int]) -> st
     left = [m for m, d in zip(members, details) if d["kind"] == CLOSE_KIND]
     others = [(m, d) for m, d in zip(members, details) if d["kind"] != CLOSE_KIND]
     kinds = " / ".join(sorted({d["kind"] for _, d in others}))
+    who = f"rank {left[0]}" if len(left) == 1 else f"ranks {left}"
     return (
-        f"Rank(s) {left} closed the context (or left the program) while ranks {[m for m, _ in others]} "
+        f"{who[0].upper()}{who[1:]} closed the context (or left the program) while ranks {[m for m, _ in others]} "
         f"called {kinds} on group {list(members)}: the departed ranks take part in no more collectives "
         "of this context; close it on every rank"
     )
@@ -353,7 +372,9 @@ def mismatch_error(
     """
     details = list(details)
     if any(d["kind"] == ABANDONED_KIND for d in details):
-        return CollectiveMismatchError("\n".join([_groups_line(details, members), *notes]))
+        cycles = [d["cycle"] for d in details if d.get("cycle")]
+        lines = [_groups_line(details, members), *([cycle_text(cycles[0])] if cycles else [])]
+        return CollectiveMismatchError("\n".join([*lines, *notes]))
     if any(d["failure"] is not None for d in details):
         return CollectiveMismatchError("\n".join([_failures_line(details, members), *notes]))
     if any(d["kind"] == CLOSE_KIND for d in details):
@@ -361,12 +382,12 @@ def mismatch_error(
     first_name = details[0]["kind"]
     lines: list[str] = []
     entries = _entries_line(details, members)
-    for field, plural, describe in _FIELDS:
-        if entries is not None and field in ("dtype", "shape", "extra"):
+    for name, plural, describe in _FIELDS:
+        if entries is not None and name in ("dtype", "shape", "extra"):
             continue  # a fused call's totals and hash: the entries line says what differs instead
         values: dict[Any, list[int]] = {}
         for member, detail in zip(members, details):
-            values.setdefault(detail[field], []).append(member)
+            values.setdefault(detail[name], []).append(member)
         if len(values) <= 1:
             continue
         groups = list(values.values())

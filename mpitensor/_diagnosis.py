@@ -27,10 +27,11 @@ diagnosis, and an abandon travels as a HELLO that says where its sender is stuck
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._check import AbandonRecord, Waiting
+from ._check import AbandonRecord, Waiting, cycle_text
 from ._engine import CHECKING, QUEUED, Op, _Backoff
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError
 from ._mpi import MPI
@@ -77,7 +78,8 @@ class Diagnosis:
         self.notes: dict[int, dict[str, Any]] = {}  # peer -> its latest BLOCKED note
         self.hellos: dict[tuple[tuple[int, ...], int], dict[int, dict[str, Any] | None]] = {}
         self.attempts: dict[tuple[int, ...], int] = {}  # sub-group creations attempted
-        self.reported: set[Wait] = set()
+        self.reported: set[tuple[Any, ...]] = set()
+        self.cycle: list[tuple[int, dict[str, Any]]] = []  # the last wait cycle found
         self.filled: set[Wait] = set()
         self.sends: list[Any] = []
 
@@ -99,15 +101,23 @@ class Diagnosis:
         self.sends = [request for request in self.sends if not request.Test()]
 
     def _report(self, wait: Wait) -> None:
-        """Tell the other members of `wait`'s group where this rank is stuck (once)."""
-        if wait in self.reported:
+        """Tell every other rank where this rank is stuck (once per wait and state).
+
+        Every rank, not only the group's members: a wait cycle through several groups
+        (0 waits for 1, 1 for 2, 2 for 0) is seen only by combining every rank's wait.
+        The note is sent again when what this rank has posted changes (after a fill).
+        """
+        posted = {members: group.check_seq for members, group in self.ctx._groups.items()}
+        key = (wait, tuple(sorted(posted.items())), tuple(sorted(self.attempts.items())))
+        if key in self.reported:
             return
-        self.reported.add(wait)
+        self.reported.add(key)
         note = wait.as_note()
-        note["posted"] = {members: group.check_seq for members, group in self.ctx._groups.items()}
-        for member in wait.members:
-            if member != self.me:
-                self._send(member, _BLOCKED, note)
+        note["posted"] = posted
+        note["attempts"] = dict(self.attempts)
+        for rank in range(self.ctx.size):
+            if rank != self.me:
+                self._send(rank, _BLOCKED, note)
 
     # -- who waits for whom -----------------------------------------------------------------------
 
@@ -119,18 +129,61 @@ class Diagnosis:
         return group is not None and group.check_seq > wait.seq
 
     def _peer_has_posted(self, peer: int, note: dict[str, Any], wait: Wait) -> bool:
+        """True if `peer` (whose latest note is `note`) has done its part of `wait`."""
         if wait.creating:
             heard = self.hellos.get((wait.members, wait.seq), {})
-            return peer in heard and heard[peer] is None  # an abandon HELLO means "not coming"
+            if peer in heard:
+                return heard[peer] is None  # an abandon HELLO means "not coming"
+            if Wait.from_note(note) == wait:
+                return True  # it is creating the same group
+            return int(note.get("attempts", {}).get(wait.members, 0)) > wait.seq
         return int(note["posted"].get(wait.members, 0)) > wait.seq
 
+    def _waits_for(self, wait: Wait, other: int) -> bool:
+        """True if a rank stuck in `wait` provably waits for rank `other` (blocked too)."""
+        if other not in wait.members:
+            return False
+        if other == self.me:
+            return not self._has_posted(wait)
+        note = self.notes.get(other)
+        return note is not None and not self._peer_has_posted(other, note, wait)
+
+    def _cycle(self, mine: Wait, peer: int) -> list[int] | None:
+        """A chain of provable waits from this rank to `peer`, or None.
+
+        Provable because it is checked backwards from a peer that waits for this rank:
+        that peer cannot move, so the rank waiting for it cannot either, and so on back
+        to this rank. A merely slow rank sends no note, so no chain runs through it.
+        """
+        waits = {rank: Wait.from_note(note) for rank, note in self.notes.items()}
+        waits[self.me] = mine
+        paths = {self.me: [self.me]}
+        frontier = [self.me]
+        while frontier:
+            rank = frontier.pop()
+            for other in waits[rank].members:
+                if other in paths or other not in waits or not self._waits_for(waits[rank], other):
+                    continue
+                paths[other] = [*paths[rank], other]
+                if other == peer:
+                    return paths[other]
+                frontier.append(other)
+        return None
+
     def _settle(self, mine: Wait) -> None:
-        """Fill in the wait of every peer that this rank waits for and that waits for it."""
+        """Fill in the wait of every peer that waits for this rank while this rank waits for it.
+
+        "Waits for it" may go through other ranks: 0 waits for 1, 1 for 2, 2 for 0.
+        """
         for peer, note in list(self.notes.items()):
-            if peer not in mine.members or self._peer_has_posted(peer, note, mine):
-                continue  # this rank does not wait for that peer
             theirs = Wait.from_note(note)
-            if self.me in theirs.members and not self._has_posted(theirs):
+            if self.me not in theirs.members or self._has_posted(theirs):
+                continue  # that peer does not wait for this rank
+            chain = self._cycle(mine, peer)
+            if chain is not None:
+                waits = {rank: Wait.from_note(n) for rank, n in self.notes.items()}
+                waits[self.me] = mine
+                self.cycle = [(rank, waits[rank].as_note()) for rank in chain]
                 self._fill(theirs, mine)
 
     def _fill(self, theirs: Wait, mine: Wait) -> None:
@@ -142,12 +195,12 @@ class Diagnosis:
             for member in theirs.members:
                 if member != self.me:
                     self._send(member, _HELLO, {"members": theirs.members, "attempt": theirs.seq,
-                                                "abandon": mine.as_note()})
+                                                "abandon": {**mine.as_note(), "cycle": self.cycle}})
             self.attempts[theirs.members] = theirs.seq + 1
             return
         group = self.ctx._groups[theirs.members]
         while group.check_seq <= theirs.seq:
-            record = AbandonRecord(theirs.members, mine.members, mine.seq, mine.creating, mine.doing)
+            record = AbandonRecord(theirs.members, mine.members, mine.seq, mine.creating, mine.doing, self.cycle)
             self.ctx._engine.post_abandon(group, record)
 
     def answer(self, peer: int, waiting: Waiting, mine: Wait) -> None:
@@ -160,7 +213,24 @@ class Diagnosis:
         """
         if self.me not in waiting.members:
             return
+        self.cycle = list(waiting.cycle)
         self._fill(Wait(waiting.members, waiting.seq, waiting.creating, waiting.doing), mine)
+        self._fill_predecessor(waiting.cycle, mine)
+
+    def _fill_predecessor(self, cycle: Sequence[tuple[int, dict[str, Any]]], mine: Wait) -> None:
+        """In a wait cycle, fill in the wait of the rank that waits for this one.
+
+        Every rank of a cycle then fails, whichever learnt of the cycle first: without
+        this, a rank freed early would go on to the call its predecessor waits for.
+        """
+        ranks = [rank for rank, _ in cycle]
+        if self.me not in ranks:
+            return
+        _, where = cycle[ranks.index(self.me) - 1]
+        theirs = Wait.from_note(where)
+        if self.me in theirs.members and not self._has_posted(theirs):
+            self.cycle = list(cycle)
+            self._fill(theirs, mine)
 
     # -- hooks the engine and context call ------------------------------------------------------
 
@@ -213,11 +283,13 @@ class Diagnosis:
                     theirs = Wait.from_note(why)
                     if self.me in theirs.members:
                         self._fill(theirs, mine)
+                    self._fill_predecessor(why.get("cycle", ()), mine)
                 peer, why = sorted(abandoned.items())[0]
                 raise CollectiveMismatchError(
                     f"Mismatched groups: this rank ({self.me}) called {doing} on group {list(members)}, "
                     f"but rank {peer} is in {why['kind']} on group {list(why['members'])}; every member "
                     "of a group must call its collectives in the same order"
+                    + (f"\n{cycle_text(why['cycle'])}" if why.get("cycle") else "")
                 )
             if all(member in heard for member in others):
                 break
