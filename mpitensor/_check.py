@@ -8,9 +8,11 @@ agreement hash ``h`` and of the per-rank value ``v`` at once. Two different coll
 therefore always meet as one check, and only when the hashes differ do ranks exchange
 their full records (pickled `detail()`), to name what differs, the ranks and their values.
 
-Two hash values are reserved: `ABANDON` marks a rank that stands in for a check it will
+Three hash values are reserved: `ABANDON` marks a rank that stands in for a check it will
 never call (see the diagnosis), `FAILED_CALL` a rank whose own call failed before it could
-take part (a bad argument), so that its peers learn of it instead of waiting.
+take part (a bad argument), so that its peers learn of it instead of waiting, and
+`CLOSING` a rank that closes the context (its per-rank value is ``-(rank + 1)``, so the
+peers learn who left without a further exchange, which a departed rank could not answer).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "ABANDON",
     "ABANDONED_KIND",
     "CLOSE_KIND",
+    "CLOSING",
     "FAILED_CALL",
     "KIND_NAMES",
     "AbandonRecord",
@@ -40,6 +43,7 @@ __all__ = [
     "dtype_code",
     "dtype_from_code",
     "group_hash",
+    "departure_error",
     "mismatch_error",
 ]
 
@@ -47,6 +51,7 @@ __all__ = [
 _MASK = (1 << 62) - 1
 ABANDON = -1
 FAILED_CALL = -2
+CLOSING = -3
 
 KIND_NAMES = {
     1: "all_reduce",
@@ -183,7 +188,9 @@ class Record:
 
     def check_value(self) -> int:
         """What this rank contributes to the check: the agreement hash or a reserved value."""
-        return FAILED_CALL if self.failure is not None else self.agreement()
+        if self.failure is not None:
+            return FAILED_CALL
+        return CLOSING if self.kind == CLOSE_KIND else self.agreement()
 
     def detail(self) -> dict[str, Any]:
         """Everything this record says, as a picklable dict (exchanged on a mismatch)."""
@@ -320,18 +327,6 @@ def _failures_line(details: Sequence[dict[str, Any]], members: Sequence[int]) ->
     )
 
 
-def _close_line(details: Sequence[dict[str, Any]], members: Sequence[int]) -> str:
-    left = [m for m, d in zip(members, details) if d["kind"] == CLOSE_KIND]
-    others = [(m, d) for m, d in zip(members, details) if d["kind"] != CLOSE_KIND]
-    kinds = " / ".join(sorted({d["kind"] for _, d in others}))
-    who = f"rank {left[0]}" if len(left) == 1 else f"ranks {left}"
-    return (
-        f"{who[0].upper()}{who[1:]} closed the context (or left the program) while ranks {[m for m, _ in others]} "
-        f"called {kinds} on group {list(members)}: the departed ranks take part in no more collectives "
-        "of this context; close it on every rank"
-    )
-
-
 def _entries_line(details: Sequence[dict[str, Any]], members: Sequence[int]) -> str | None:
     """For fused calls: the first tensor whose key, shape or dtype differs between ranks."""
     lists = [d["entries"] for d in details]
@@ -358,6 +353,21 @@ def _entry_text(entry: tuple[str, tuple[int, ...], str]) -> str:
     return f"{key}: shape {_shape_text(tuple(shape))} {dtype}"
 
 
+def departure_error(departed: int, members: Sequence[int], doing: str) -> CollectiveMismatchError:
+    """The error of a rank whose collective met a peer's close instead.
+
+    Args:
+        departed: a rank that closed (the highest, if several did).
+        members: the group's members.
+        doing: what this rank called.
+    """
+    return CollectiveMismatchError(
+        f"Rank {departed} closed the context (or left the program) while this rank called {doing} on group "
+        f"{list(members)}: the departed rank takes part in no more collectives, so this context can run no "
+        "more collectives either; close it"
+    )
+
+
 def mismatch_error(
     details: Sequence[dict[str, Any]],
     members: Sequence[int],
@@ -377,8 +387,6 @@ def mismatch_error(
         return CollectiveMismatchError("\n".join([*lines, *notes]))
     if any(d["failure"] is not None for d in details):
         return CollectiveMismatchError("\n".join([_failures_line(details, members), *notes]))
-    if any(d["kind"] == CLOSE_KIND for d in details):
-        return CollectiveMismatchError("\n".join([_close_line(details, members), *notes]))
     first_name = details[0]["kind"]
     lines: list[str] = []
     entries = _entries_line(details, members)

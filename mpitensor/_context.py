@@ -280,18 +280,15 @@ class DistributedContext:
         """Close on every rank together, and tell peers still calling collectives that this rank left.
 
         The close is a check of its own on the whole context: where a peer is in a
-        collective instead, both checks fail, so the peer raises `CollectiveMismatchError`
-        naming this rank instead of waiting for it forever. This rank then checks again,
-        until every rank closes.
+        collective instead, the peer raises `CollectiveMismatchError` naming this rank
+        instead of waiting for it forever (and its context can run no more collectives).
         """
-        record = Record(CLOSE_KIND, None, None, None, -1, self._full.members)
-        while True:
-            op = self._engine.post_stand_in(CLOSE_KIND, self._full, record)
-            try:
-                self._engine.wait(op, self._timeout)
-                return
-            except CollectiveMismatchError:
-                continue
+        record = Record(CLOSE_KIND, None, None, None, -1, self._full.members, per_rank=-(self._rank + 1))
+        op = self._engine.post_stand_in(CLOSE_KIND, self._full, record)
+        try:
+            self._engine.wait(op, self._timeout)
+        except CollectiveMismatchError:
+            pass  # peers were in a collective: they have been told
 
     def _leave_on_exception(self) -> None:
         """Close without waiting on peers: an exception is propagating."""

@@ -23,7 +23,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ._check import ABANDON, ABANDONED_KIND, FAILED_CALL, Record, decode_waiting, mismatch_error
+from ._check import (
+    ABANDON,
+    ABANDONED_KIND,
+    CLOSE_KIND,
+    CLOSING,
+    FAILED_CALL,
+    Record,
+    decode_waiting,
+    departure_error,
+    mismatch_error,
+)
 from ._errors import CollectiveTimeoutError, ContextBrokenError
 from ._mpi import MPI
 
@@ -310,6 +320,9 @@ class Engine:
         received = op.check_recv
         if stage == _AGREE:
             low, high = int(received[0]), -int(received[1])
+            if low == CLOSING and high != CLOSING:
+                self._met_departure(op, -int(received[2]) - 1)
+                return True
             if low != high or low == ABANDON:
                 self._gather_detail_sizes(op)
                 return False
@@ -346,6 +359,18 @@ class Engine:
             return True
         self._check_passed(op)
         return True
+
+    def _met_departure(self, op: Op, departed: int) -> None:
+        """Some rank closed the context while others called `op`: every member learns it here.
+
+        No further exchange: the departed rank would not answer it. The context can run
+        no more collectives (a later close skips its own check).
+        """
+        error = departure_error(departed, op.group.members, op.name)
+        if op.name != CLOSE_KIND:  # the closing rank itself goes on closing
+            self.ctx._mark_broken(str(error))
+        op.error = error
+        self._fail(op)
 
     def _gather_detail_sizes(self, op: Op) -> None:
         """The ranks disagree: exchange the full records to say exactly what differs."""

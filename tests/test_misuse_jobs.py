@@ -99,7 +99,7 @@ def test_a_rank_that_leaves_while_its_peers_wait_tells_them(tmp_path, how):
     assert len(errors) == 2, result.output
     for line in errors:
         assert line.startswith("error CollectiveMismatchError"), line
-        assert "Rank 1 closed the context (or left the program) while ranks [0, 2] called all_reduce" in line, line
+        assert "Rank 1 closed the context (or left the program) while this rank called all_reduce" in line, line
         assert float(line.split()[2]) < 5.0, line
     # sys.exit() leaves the program at once; close() goes on to the end.
     assert len(result.reported("closed")) == (2 if how.startswith("sys") else 3)
