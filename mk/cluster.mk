@@ -2,7 +2,7 @@
 # made of network namespaces (test-multihost). Each installs what it needs (apt-get, the
 # venvs), skips with one line where it cannot run (not root, no `ip netns`, no apt-get),
 # and fails when a check fails. See scripts/test-slurm.sh, scripts/test-multihost.sh and
-# README.md ("Running on a cluster").
+# docs/cluster.md.
 .PHONY: test-cluster test-slurm test-multihost
 
 test-cluster: test-slurm test-multihost

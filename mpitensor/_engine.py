@@ -256,7 +256,7 @@ class Engine:
                 self.waiting_groups.add(group)
                 self._pump(group)
             except MPI.Exception as exc:
-                raise self._mpi_failed(exc, op) from exc
+                raise self.mpi_failed(exc, op) from exc
         if op.state == CHECKING:
             self._wait_check(op, self.ctx.config.check_grace if grace is None else grace)
         if op.state == FAILED:
@@ -281,7 +281,7 @@ class Engine:
                 try:
                     op.requests = [start(*args)]
                 except MPI.Exception as exc:
-                    raise self._mpi_failed(exc, op) from exc
+                    raise self.mpi_failed(exc, op) from exc
                 op.state = POSTED
                 self.posted.append(op)
                 if len(self.posted) > _REAP_AFTER:
@@ -465,7 +465,7 @@ class Engine:
                 if self.posted:
                     self._reap()
             except MPI.Exception as exc:
-                raise self._mpi_failed(exc, None) from exc
+                raise self.mpi_failed(exc, None) from exc
 
     def _reap(self) -> None:
         """Complete the posted ops that MPI is done with (call with the lock held)."""
@@ -499,9 +499,19 @@ class Engine:
         while len(self.posted) > _MAX_POSTED:
             self.wait(self.posted[0], self.ctx.timeout)
 
-    def _mpi_failed(self, exc: BaseException, op: Op | None) -> ContextBrokenError:
-        """The error for an MPI failure inside `op` (or the engine), breaking the context."""
-        what = op.describe() if op is not None else "a collective in flight"
+    def mpi_failed(self, exc: BaseException, op: Op | None, what: str = "a collective in flight") -> ContextBrokenError:
+        """The error for an MPI failure inside `op` (or in `what`), breaking the context.
+
+        Args:
+            exc: MPI's exception.
+            op: the op it happened in, if known.
+            what: what was running otherwise.
+
+        Returns:
+            The `ContextBrokenError` to raise.
+        """
+        if op is not None:
+            what = op.describe()
         message = f"MPI failed in {what} on rank {self.ctx.rank}: {exc}"
         self.ctx._mark_broken(message)
         return ContextBrokenError(message)
@@ -547,11 +557,14 @@ class Engine:
         """
         op = Op(name, group, 0, lambda: [], record=record)
         with self.lock:
-            self._post_check(op)
-            group.queue.append(op)
-            self.waiting_groups.add(group)
-            if pump:
-                self._pump(group)
+            try:
+                self._post_check(op)
+                group.queue.append(op)
+                self.waiting_groups.add(group)
+                if pump:
+                    self._pump(group)
+            except MPI.Exception as exc:
+                raise self.mpi_failed(exc, op) from exc
         return op
 
     def protect_outputs(self, op: Op, value: Any) -> None:
@@ -596,7 +609,7 @@ class Engine:
                             else:
                                 MPI.Request.Waitall(requests)
                         except MPI.Exception as exc:
-                            raise self._mpi_failed(exc, op) from exc
+                            raise self.mpi_failed(exc, op) from exc
                         self.posted.remove(op)
                         if op.finish is None and not op.protections:
                             # What _complete does for the plain case, inlined: this is
@@ -627,7 +640,7 @@ class Engine:
                     try:
                         self._pump(group)  # the usual case: only this group has work to do
                     except MPI.Exception as exc:
-                        raise self._mpi_failed(exc, op) from exc
+                        raise self.mpi_failed(exc, op) from exc
                 else:
                     self.progress()
             if op.state != CHECKING or time.monotonic() >= deadline:
@@ -658,7 +671,10 @@ class Engine:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 self._timed_out(op, timeout, now - start)
-            self.ctx._diagnose_wait(op, now - start)
+            try:
+                self.ctx._diagnose_wait(op, now - start)
+            except MPI.Exception as exc:
+                raise self.mpi_failed(exc, op, "the group-mismatch diagnosis") from exc
             backoff.pause()
 
     def _timed_out(self, op: Op | None, timeout: float | None, waited: float) -> None:

@@ -12,6 +12,9 @@ Two rules keep one rank's mistake from desynchronizing the group:
   check on, the failing rank posts a check that says "failed" (and why) in the group's
   sequence: its peers raise `CollectiveMismatchError` naming it, and the next collective
   lines up on every rank.
+
+MPI's own errors never escape as ``mpi4py.MPI.Exception``: they become `ContextBrokenError`
+naming the operation, group and rank.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, TypeVar
 from . import _state
 from ._check import Record
 from ._errors import DeviceError, MpitensorError, ThreadMisuseError
+from ._mpi import MPI
 
 __all__ = ["collective_entry"]
 
@@ -56,6 +60,8 @@ def collective_entry(kind: str) -> Callable[[F], F]:
             posted = engine.checks_posted
             try:
                 return function(*args, **kwargs)
+            except MPI.Exception as exc:
+                raise engine.mpi_failed(exc, None, kind) from exc
             except Exception as exc:
                 if engine.checks_posted == posted and _is_local(exc) and ctx.config.check:
                     devices = kwargs["devices"] if "devices" in kwargs else (
@@ -84,9 +90,9 @@ def _take_failed_turn(ctx: Any, kind: str, devices: Any, exc: BaseException) -> 
         return
     try:
         group = ctx.group_of(devices, kind)
-    except MpitensorError:
-        return  # the group could not be created with the peers: they learnt of it there
-    except Exception:
+    except Exception as lookup_error:
+        if not _is_local(lookup_error):
+            return  # the group could not be created with the peers: they learnt of it there
         group = ctx.group_of(None, kind)
     if group.size < 2:
         return

@@ -50,6 +50,8 @@ LOCAL_FAILURES = [
      lambda: mt.all_reduce(np.ones(4), "foo"), ValueError, "foo"),
     ("a group without itself", "all_reduce", lambda: mt.all_reduce(np.ones(4)),
      lambda: mt.all_reduce(np.ones(4), devices=[0]), ValueError, "is not in the group"),
+    ("a device of no context", "all_reduce", lambda: mt.all_reduce(np.ones(4)),
+     lambda: mt.all_reduce(np.ones(4), devices=[mt.Device("cpu", 0, 99)]), mt.DeviceError, "is not in this context"),
     ("a bad dtype to broadcast", "broadcast", lambda: mt.broadcast(np.ones(4), root=0),
      lambda: mt.broadcast(None, root=0, shape=(4,), dtype="no-such-dtype"), TypeError, "no-such-dtype"),
     ("reduce with a bad op", "reduce", lambda: mt.reduce(np.ones(4), root=0),
@@ -73,7 +75,8 @@ def test_a_call_that_fails_on_one_rank_fails_on_every_rank(ctx, case):
     last = ctx.size - 1
     got = _outcome(bad if ctx.rank == last else good)
     if ctx.rank == last:
-        assert isinstance(got, error) and not isinstance(got, mt.MpitensorError), repr(got)
+        assert isinstance(got, error), repr(got)
+        assert error is mt.DeviceError or not isinstance(got, mt.MpitensorError), repr(got)
         assert fragment in str(got)
     else:
         assert isinstance(got, mt.CollectiveMismatchError), repr(got)

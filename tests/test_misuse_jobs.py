@@ -1,6 +1,6 @@
 """Misuse that would hang a job, run as child jobs under a hard time limit.
 
-Group mismatches that form wait cycles, the README's swapped-group case, and a rank that
+Group mismatches that form wait cycles, the swapped-groups case of docs/failures.md, and a rank that
 leaves while its peers wait: every rank ends with a result or an `MpitensorError`, in
 seconds, and the job exits normally when the program catches the errors.
 """
@@ -104,3 +104,32 @@ def test_a_rank_that_leaves_while_its_peers_wait_tells_them(tmp_path, how):
     # sys.exit() leaves the program at once; close() goes on to the end.
     assert len(result.reported("closed")) == (2 if how.startswith("sys") else 3)
     assert not result.reported("unexpected")
+
+
+def test_with_the_check_off_mpi_errors_still_come_as_mpitensor_errors(tmp_path):
+    # Without the check, mismatched calls reach MPI: Open MPI reports a truncation, MPICH
+    # may wait; either way the program sees an MpitensorError, never mpi4py's exception.
+    result = run_job(
+        """
+        import numpy as np
+        import mpitensor as mt
+
+        config = mt.DistributedConfig(check=False, timeout=3)
+        ctx = mt.DistributedContext.init(config=config)
+        try:
+            if ctx.rank == 0:
+                mt.all_gather(np.ones(64)).resolve()
+            else:
+                mt.all_reduce(np.ones(2)).resolve()
+            report("no error")
+        except Exception as exc:
+            report("error", type(exc).__module__, type(exc).__name__, isinstance(exc, mt.MpitensorError))
+        """,
+        2,
+        timeout=60,
+        tmp_path=tmp_path,
+    )
+    lines = result.reported("error") + result.reported("no error")
+    assert len(lines) == 2, result.output
+    for line in lines:
+        assert line.startswith("error mpitensor._errors") and line.endswith("True"), line
