@@ -4,7 +4,8 @@ Without it, one rank's uncaught exception leaves the other ranks waiting forever
 collective. While a context is open (or one was left by an exception), mpitensor's
 ``sys.excepthook`` prints the traceback once, each line prefixed with the rank, and calls
 ``MPI_Abort`` on ``MPI_COMM_WORLD``, which makes the launcher end every rank with a
-non-zero exit.
+non-zero exit. Before that it unlinks the MPI library's files of the job that it can name
+(`release_job_files`), which MPICH removes only when a job ends normally.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import time
 import traceback
 from types import TracebackType
 
-from . import _state
+from . import _shm_cleanup, _state
 from ._mpi import MPI
 
-__all__ = ["arm", "disarm_left_contexts", "note_left_by_exception"]
+__all__ = ["arm", "disarm_left_contexts", "note_left_by_exception", "release_job_files"]
 
 _previous_hook = None
 _left_by_exception = 0
@@ -43,6 +44,18 @@ def disarm_left_contexts() -> None:
     _left_by_exception = 0
 
 
+def release_job_files() -> None:
+    """Unlink this job's MPI shared-memory files: call it just before ``MPI_Abort``.
+
+    MPICH removes ``/dev/shm/mpich_shm_*`` (and Hydra its topology file) only when the job
+    ends normally; after ``MPI_Abort`` they would keep their memory until someone removes
+    them or the machine restarts. The files this rank maps or holds open, and its Hydra
+    proxy's topology file, are unlinked (the other ranks' mappings stay valid while the job
+    ends). Never raises.
+    """
+    _shm_cleanup.unlink_job_files()
+
+
 def _armed() -> bool:
     if not (_state.open_count() or _left_by_exception):
         return False
@@ -65,6 +78,7 @@ def _excepthook(
         "aborting the job (MPI_Abort) so that the other ranks do not wait forever"
     )
     try:
+        release_job_files()
         sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()
         sys.stdout.flush()

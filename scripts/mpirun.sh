@@ -22,6 +22,15 @@
 #                      --prtemca plm_ssh_agent PROG, MPICH -launcher ssh -launcher-exec PROG)
 # Anything else goes to mpiexec unchanged. Inside a Slurm allocation, prefer srun or
 # scripts/slurm/mpitensor.sbatch (see README.md, "Running on a cluster").
+#
+# Files a failed job leaves: MPICH keeps its shared memory in /dev/shm/mpich_shm_* (and
+# mpich_vci_*), Hydra its topology in /tmp/hydra_hwloc_xmlfile_*, and they remove them when
+# the job ends normally, not when a rank is killed by a signal or calls MPI_Abort (Open MPI
+# cleans up then, unless its prterun is killed outright). So mpiexec runs as a child of
+# this script, which passes SIGTERM, SIGINT and SIGHUP on to it, and once it has ended
+# removes the files of those kinds that appeared meanwhile and that no live process maps or
+# holds open (a concurrent job's files are in use: they stay), then exits with mpiexec's
+# status (or by the signal that ended mpiexec, when this script got that signal too).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${VENV:-$root/.venv}
@@ -56,4 +65,125 @@ else
   [ -z "$hostfile" ] || extra+=(-f "$hostfile")
   [ -z "$agent" ] || extra+=(-launcher ssh -launcher-exec "$agent")
 fi
-exec "$mpiexec" "${extra[@]}" "$@"
+
+# -- leftovers ------------------------------------------------------------------------------
+# The files of the kinds MPI leaves that this user owns, one per line: MPICH's shared memory
+# and Hydra's topology file; Open MPI's shared memory (sm_segment, vader_segment in 4.x),
+# which prterun removes unless it is killed outright (SIGKILL), and then its session
+# directory stays too (see remove_leftovers).
+leftovers() {
+  local f
+  for f in /dev/shm/mpich_shm_* /dev/shm/mpich_vci_* /tmp/hydra_hwloc_xmlfile_* \
+      /dev/shm/sm_segment.* /dev/shm/vader_segment.*; do
+    if [ -O "$f" ]; then printf '%s\n' "$f"; fi
+  done
+}
+
+# Every file that a live process maps or holds open, one per line.
+files_in_use() {
+  {
+    # maps: address perms offset device inode path; the path is the first " /" on.
+    cat /proc/[0-9]*/maps 2>/dev/null | awk '{ i = index($0, " /"); if (i) print substr($0, i + 1) }' || true
+    # shellcheck disable=SC2012 # ls -l shows where the fd links point, with any ls
+    ls -l /proc/[0-9]*/fd/ 2>/dev/null | awk '{ i = index($0, " -> "); if (i) print substr($0, i + 4) }' || true
+  } | sort -u
+}
+
+# Remove the leftovers that were not there before the job and that no live process uses
+# (in use after a failure, they are retried for up to 2 s while the last ranks die).
+remove_leftovers() {
+  local fresh left in_use f tries=0
+  fresh=$(comm -13 <(printf '%s\n' "$before" | sort) <(leftovers | sort))
+  # prterun's session directory, named after its pid, which was mpiexec's.
+  f="${TMPDIR:-${TEMP:-${TMP:-/tmp}}}/ompi.$child"
+  if [ -d "$f" ] && [ -O "$f" ]; then fresh+=${fresh:+$'\n'}$f; fi
+  while [ -n "$fresh" ]; do
+    in_use=$(files_in_use)
+    left=""
+    while IFS= read -r f; do
+      if grep -qxF -- "$f" <<< "$in_use" || grep -qF -- "$f/" <<< "$in_use"; then
+        left+=${left:+$'\n'}$f
+      else
+        rm -rf -- "$f" 2>/dev/null || true
+      fi
+    done <<< "$fresh"
+    fresh=$left
+    if [ -z "$fresh" ] || [ "$status" = 0 ] || [ "$tries" -ge 20 ]; then break; fi
+    tries=$((tries + 1))
+    sleep 0.1
+  done
+}
+
+# -- signals --------------------------------------------------------------------------------
+# Whether this script is in the foreground process group of a terminal.
+# shellcheck disable=SC2329 # called from forward, a trap
+in_terminal_foreground() {
+  local stat pgrp tty tpgid
+  if [ -r /proc/$$/stat ]; then
+    stat=$(< /proc/$$/stat)
+    read -r _ _ pgrp _ tty tpgid _ <<< "${stat##*) }"
+    [ "$tty" != 0 ] && [ "$pgrp" = "$tpgid" ]
+  else
+    read -r pgrp tpgid <<< "$(ps -o pgid= -o tpgid= -p $$ 2>/dev/null)" || return 1
+    [ "${tpgid:--1}" != -1 ] && [ "$pgrp" = "$tpgid" ]
+  fi
+}
+
+# Pass signal $1 on to mpiexec, exactly once. Where mpiexec has a process group of its own
+# (below), nothing sent to this script's group reaches it, so every signal is passed on.
+# Where it shares this script's group and that group is a terminal's foreground, what the
+# terminal sends (Ctrl-C, hang-up) reaches it directly: passed on too, a second SIGINT would
+# make Hydra kill the job at once, exit 0 and lose the ranks' tracebacks.
+# shellcheck disable=SC2329 # called from a trap
+forward() {
+  caught=$1 ncaught=$((ncaught + 1))
+  if [ -z "$child" ]; then early=$1; return 0; fi
+  if [ "$own_group" = 0 ] && [ "$1" != TERM ] && in_terminal_foreground; then
+    return 0
+  fi
+  kill -s "$1" "$child" 2>/dev/null || true
+}
+
+# -- the job --------------------------------------------------------------------------------
+cleanup=0
+[ -r /proc/self/maps ] && cleanup=1  # without /proc, nobody's use of a file can be checked
+before=""
+[ "$cleanup" = 0 ] || before=$(leftovers)
+# setpriv: mpiexec dies with this script (SIGKILL included), as when this script exec'd it.
+pdeath=()
+if setpriv --help 2>/dev/null | grep -q -- --pdeathsig; then
+  pdeath=(setpriv --pdeathsig KILL --)
+fi
+# A process group of its own for mpiexec (set -m) when no terminal is its input (a terminal
+# lets only its foreground group read) and when it cannot outlive this script.
+own_group=0
+if [ ! -t 0 ] && [ ${#pdeath[@]} -gt 0 ]; then own_group=1; fi
+
+child="" caught="" early="" ncaught=0
+for sig in TERM INT HUP; do
+  # shellcheck disable=SC2064 # the signal's name is fixed here on purpose
+  trap "forward $sig" "$sig"
+done
+[ "$own_group" = 0 ] || set -m
+# In the background, a command starts with SIGINT and SIGQUIT ignored and reads /dev/null:
+# `trap -` and `<&0` give mpiexec what it had in the foreground.
+( trap - INT QUIT; exec "${pdeath[@]}" "$mpiexec" "${extra[@]}" "$@" ) <&0 &
+child=$!
+set +m
+# A signal that came before mpiexec existed.
+[ -z "$early" ] || kill -s "$early" "$child" 2>/dev/null || true
+while :; do
+  seen=$ncaught
+  # 2>/dev/null: no "Killed" notice from bash; mpiexec reports how the job ended.
+  if wait "$child" 2>/dev/null; then status=0; else status=$?; fi
+  # A signal ends `wait` early (status > 128) while mpiexec runs on: wait again. Once
+  # mpiexec has ended, bash keeps its status for the next `wait`.
+  [ "$ncaught" != "$seen" ] || break
+done
+trap - TERM INT HUP
+[ "$cleanup" = 0 ] || remove_leftovers
+# mpiexec ended by the signal this script got: end by it too, as mpiexec did.
+if [ -n "$caught" ] && [ "$status" = $((128 + $(kill -l "$caught"))) ]; then
+  kill -s "$caught" $$
+fi
+exit "$status"
