@@ -313,6 +313,7 @@ class DistributedContext:
         sys.stdout.flush()
         sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] mpitensor: ctx.abort({errorcode}) called\n")
         sys.stderr.flush()
+        _failfast.release_job_files()
         MPI.COMM_WORLD.Abort(errorcode)
 
     def _spare_cores(self) -> int:

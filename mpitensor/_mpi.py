@@ -27,6 +27,7 @@ if "mpi4py.MPI" not in sys.modules:
 
 from mpi4py import MPI
 
+from . import _shm_cleanup
 from ._errors import MpiFinalizedError
 
 __all__ = [
@@ -91,6 +92,8 @@ def ensure_initialized() -> int:
         if not MPI.Is_initialized():
             MPI.Init_thread(_requested_thread_level())
             _owner = True
+            # A process started without a launcher leaves Open MPI's segment behind otherwise.
+            on_finalize(_shm_cleanup.release_singleton_files)
             if not _atexit_registered:
                 atexit.register(_finalize_at_exit)
                 _atexit_registered = True
