@@ -27,7 +27,7 @@ from ._device import Device
 from ._dtypes import ReducePlan, reduce_plan
 from ._engine import Group, Op
 from ._mpi import MPI
-from ._shm import may_apply, shared_memory_post
+from ._shm import SharedMemoryPost, may_apply, shared_memory_post
 from ._tensor import Tensor, wrap_array
 
 __all__ = ["SMALL_BYTES", "all_reduce"]
@@ -82,9 +82,13 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
                 if plan.work_dtype == array.dtype and not may_apply(ctx._config, nbytes):
                     tensor = input if kind is Tensor else None
                     device = ctx._cpu_device if tensor is None else tensor._device
+                    out = ctx._pool.empty(array.shape, plan.work_dtype)
+                    if plan.codec is not None:  # MAX/MIN of floats: MPI reduces a private copy of keys
+                        send = ctx._pool.empty(array.shape, plan.work_dtype)
+                        plan.codec.encode(array, send)
+                        return _post_now(ctx, ctx._full, send, (), out, out, plan, device, nbytes)
                     source = Input(tensor, array, array, False)
                     protections = source.guard(ctx)  # may swap in a private copy
-                    out = ctx._pool.empty(array.shape, plan.work_dtype)
                     return _post_now(ctx, ctx._full, source.buffer, protections, out, out, plan, device, nbytes)
     ctx = context_for("all_reduce")
     if isinstance(input, (list, tuple, dict)):
@@ -102,8 +106,11 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     array = source.array
     if array.nbytes <= SMALL_BYTES and not plan.rounds_back:
         return _small(ctx, source.buffer, result_device(ctx, source), reduce_op, plan, group)
-    send, protections = reduction_input(ctx, source, plan)
-    fast = shared_memory_post(ctx, group, send, plan)  # the intra-node fast path, or None
+    if plan.codec is None:
+        send, protections = reduction_input(ctx, source, plan)
+        fast = shared_memory_post(ctx, group, send, plan)  # the intra-node fast path, or None
+    else:
+        send, protections, fast = _extremum_input(ctx, source, plan, group)
     checked = ctx._config.check and group.size > 1
     if fast is None:
         out, final = reduction_buffers(ctx, array.shape, plan)
@@ -117,12 +124,15 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     result = wrap_array(final, result_device(ctx, source))
     comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
     size = group.size
+    # The shared-memory path reduces MAX/MIN of floats on the floats: nothing to decode.
+    decoded = fast is not None and plan.codec is not None
 
     def post() -> list[Any]:
         return [comm.Iallreduce([send, datatype], [out, datatype], mpi_op)]
 
     def finish() -> Tensor:
-        finish_reduction(out, final, plan, size)
+        if not decoded:
+            finish_reduction(out, final, plan, size)
         return result
 
     record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members) if checked else None
@@ -139,14 +149,35 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     return start(ctx, collective, result)
 
 
+def _extremum_input(
+    ctx: DistributedContext, source: Input, plan: ReducePlan, group: Group
+) -> tuple[np.ndarray, tuple[Any, ...], SharedMemoryPost | None]:
+    """What a MAX/MIN with a codec sends, its protections, and the shared-memory path if it applies.
+
+    The shared-memory path reduces the floats themselves (with ``plan.combine``), so it
+    gets the input as it is, protected; MPI gets a private encoded copy (``plan.codec``).
+    """
+    if may_apply(ctx._config, source.array.nbytes):
+        protections = source.guard(ctx)  # may swap in a private copy: read the buffer after it
+        fast = shared_memory_post(ctx, group, source.buffer, plan)
+        if fast is not None:
+            return source.buffer, protections, fast
+        for protection in protections:
+            protection.release()
+    send, protections = reduction_input(ctx, source, plan)
+    return send, protections, None
+
+
 def _post_now(ctx: DistributedContext, group: Group, send: np.ndarray, protections: tuple[Any, ...],
               out: np.ndarray, final: np.ndarray, plan: ReducePlan, device: Device, nbytes: int) -> CollectiveTensor:
     """Post an unchecked ``MPI_Iallreduce`` of `send` into `out` at once, bypassing the engine's queue.
 
     `send` is protected by `protections` (or is a private copy) until MPI is done; the
     result is `final` (`out` itself, or the half-precision array it is rounded back into).
+    For MAX/MIN of floats, `send` holds keys (``plan.codec``), and `out` is decoded at the end.
     """
-    finish = partial(finish_reduction, out, final, plan, group.size) if plan.divide or final is not out else None
+    finishes = plan.divide or final is not out or plan.codec is not None
+    finish = partial(finish_reduction, out, final, plan, group.size) if finishes else None
     op = Op("all_reduce", group, nbytes, None, finish, None, (send, out, final), protections)
     datatype = plan.datatype
     ctx._engine.post_direct(op, group.comm.Iallreduce, [send, datatype], [out, datatype], plan.mpi_op)
@@ -160,10 +191,21 @@ def _small(ctx: DistributedContext, array: np.ndarray, device: Device, op: Reduc
     Small messages are where per-call overhead shows, so an unchecked one whose group has
     nothing queued is posted here directly, without the engine's general path.
     """
-    out = array.astype(plan.work_dtype)  # always a copy
+    codec = plan.codec
+    if codec is None:
+        out = array.astype(plan.work_dtype)  # always a copy
+        finish = partial(np.true_divide, out, group.size, out=out) if plan.divide else None
+    else:
+        # MAX/MIN of floats: MPI reduces keys, decoded in place at the end.
+        if array.dtype == plan.work_dtype:
+            out = np.empty(array.shape, plan.work_dtype)
+            codec.encode(array, out)
+        else:  # byte-swapped: to native order first
+            out = array.astype(plan.work_dtype)
+            codec.encode(out, out)
+        finish = partial(codec.decode, out)
     result = wrap_array(out, device)
     comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
-    finish = partial(np.true_divide, out, size, out=out) if plan.divide else None
     if ctx._config.check and size > 1:
         reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
         record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members)

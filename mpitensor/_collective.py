@@ -318,12 +318,23 @@ def group_root(group: Group, root: int, what: str) -> int:
 def reduction_input(ctx: DistributedContext, source: Input, plan: Any) -> tuple[Any, tuple[Protection, ...]]:
     """The buffer a reduction sends, and the protections that keep it unchanged meanwhile.
 
-    The buffer is the input, converted to the plan's work dtype where that differs.
+    The buffer is the input, converted to the plan's work dtype where that differs, or
+    for MAX/MIN of floats and complex numbers a private copy encoded for MPI (``plan.codec``:
+    the integer keys MPI reduces for floats).
     """
+    codec = plan.codec
+    if codec is not None:
+        buffer = ctx._pool.empty(source.buffer.shape, plan.work_dtype)
+        codec.encode(source.buffer, buffer)
+        source.buffer = buffer
+        source.copied = True
+        return buffer, ()
     if plan.work_dtype != source.buffer.dtype:
         source.buffer = source.buffer.astype(plan.work_dtype)
         source.copied = True
-    return source.buffer, source.guard(ctx)
+    # guard() may swap in a private copy: read the buffer after it.
+    protections = source.guard(ctx)
+    return source.buffer, protections
 
 
 def reduction_buffers(ctx: DistributedContext, shape: tuple[int, ...], plan: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -337,9 +348,11 @@ def reduction_buffers(ctx: DistributedContext, shape: tuple[int, ...], plan: Any
 
 
 def finish_reduction(work: np.ndarray, final: np.ndarray, plan: Any, size: int) -> None:
-    """Apply MEAN's division and round half precision back, in place."""
+    """Apply MEAN's division, turn MAX/MIN keys back into floats, round half precision back; in place."""
     if plan.divide:
         np.true_divide(work, size, out=work)
+    elif plan.codec is not None:
+        plan.codec.decode(work)
     if final is not work:
         np.copyto(final, work, casting="unsafe")
 

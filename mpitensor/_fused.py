@@ -253,11 +253,14 @@ def start_buckets(
 ) -> CollectiveTensor:
     """All-reduce packed buckets as one op: one ``MPI_Iallreduce`` per bucket.
 
+    For MAX/MIN of floats (plans with a ``codec``) the packed floats are turned into the
+    keys MPI reduces here, in place, and the results back into floats when the op finishes.
+
     Args:
         ctx: the context.
         group: the group.
         buckets: the buckets (their plans give op and dtype).
-        sends: each bucket's packed input.
+        sends: each bucket's packed input (a private buffer: it may be changed).
         recvs: each bucket's result buffer (the result's tensors are views of them).
         result: what `resolve()` returns.
         record: what this rank says about the call, for the check.
@@ -268,6 +271,9 @@ def start_buckets(
         The handle resolving to `result`.
     """
     comm, size = group.comm, group.size
+    for bucket, send in zip(buckets, sends):
+        if bucket.plan.codec is not None:
+            bucket.plan.codec.encode(send, send)
 
     def post() -> list[Any]:
         return [
@@ -279,6 +285,8 @@ def start_buckets(
         for bucket, out in zip(buckets, recvs):
             if bucket.plan.divide:
                 np.true_divide(out, size, out=out)
+            elif bucket.plan.codec is not None:
+                bucket.plan.codec.decode(out)
         for view, final in rounding:
             np.copyto(final, view, casting="unsafe")
         return result

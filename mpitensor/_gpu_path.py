@@ -282,6 +282,7 @@ class GpuCall:
         after: Any = None,
         divide_by: int | None = None,
         into: Any = None,
+        decode: Any = None,
     ) -> Any:
         """Copy a host result into a device array, ordered before the caller's later work.
 
@@ -298,6 +299,8 @@ class GpuCall:
             into: a device array (from `empty()`, like `out`) to convert the result into,
                 when the result's dtype differs from the one MPI reduced in (half
                 precision is reduced in float32 and rounded back once).
+            decode: the plan's codec when the result holds MAX/MIN keys of floats
+                (`OrderedKeys`), to turn back into floats on the device.
 
         Returns:
             The event recorded after the copy (and division).
@@ -318,28 +321,33 @@ class GpuCall:
                     out.data.ptr, array.ctypes.data, out.nbytes, runtime.memcpyHostToDevice, self.copies.ptr
                 )
             with self.copies:
-                self._fix_up(out, divide_by, into)
+                self._fix_up(out, divide_by, into, decode)
             done = self._event_on(self.copies)
             self.stream.wait_event(done)
         if buffer is not None:
             buffer.release(done)
         return done
 
-    def finish_on_device(self, out: Any, *, divide_by: int | None = None, into: Any = None) -> None:
-        """Divide and round a result that MPI wrote to the device, on the caller's stream.
+    def finish_on_device(
+        self, out: Any, *, divide_by: int | None = None, into: Any = None, decode: Any = None
+    ) -> None:
+        """Divide, decode and round a result that MPI wrote to the device, on the caller's stream.
 
         Args:
             out: the device array MPI reduced into.
             divide_by: divide it in place by this (``MEAN``).
             into: a device array to convert the result into (see `unstage`).
+            decode: the codec of a MAX/MIN result (see `unstage`).
         """
         with self.scope(), self.stream:
-            self._fix_up(out, divide_by, into)
+            self._fix_up(out, divide_by, into, decode)
 
-    def _fix_up(self, out: Any, divide_by: int | None, into: Any) -> None:
+    def _fix_up(self, out: Any, divide_by: int | None, into: Any, decode: Any = None) -> None:
         # Runs on the current stream, which the caller has selected.
         if divide_by is not None:
             self.cupy.true_divide(out, divide_by, out=out)
+        if decode is not None:
+            decode.decode(out, xp=self.cupy)
         if into is not None and into is not out:
             self.cupy.copyto(into, out, casting="unsafe")
 
@@ -399,8 +407,15 @@ def gpu_all_reduce(
     array = source.array
     plan = reduce_plan(reduce_op, source.buffer.dtype)
     call = gpu_call(source.buffer)
+    has_cpu_ranks = any(ctx.devices[m].kind != "cuda" for m in group.members)
+    direct = device_buffers_ok(ctx, plan.mpi_op) and not has_cpu_ranks
     with call.scope(), call.stream:
-        if plan.work_dtype != source.buffer.dtype:
+        if plan.codec is not None and direct:
+            # Float MAX/MIN: MPI reduces the keys (see _dtypes), encoded on the device.
+            send = call.cupy.empty_like(source.buffer)
+            plan.codec.encode(source.buffer, send, xp=call.cupy)
+            source.copied = True
+        elif plan.work_dtype != source.buffer.dtype:
             send = source.buffer.astype(plan.work_dtype)
             source.copied = True
         else:
@@ -411,9 +426,8 @@ def gpu_all_reduce(
     final = out if out_dtype == plan.work_dtype else call.empty(tuple(array.shape), out_dtype)
     ready = call.mark()
     result = Tensor(final, cuda_result_device(ctx, source, call.device))
-    fix = _FixUp(group.size if plan.divide else None, final)
-    has_cpu_ranks = any(ctx.devices[m].kind != "cuda" for m in group.members)
-    if device_buffers_ok(ctx, plan.mpi_op) and not has_cpu_ranks:
+    fix = _FixUp(group.size if plan.divide else None, final, plan.codec)
+    if direct:
         steps = _reduce_device_buffers(call, group, plan, send, out, ready, fix)
     else:
         staged = call.stage(send, after=ready)
@@ -422,11 +436,13 @@ def gpu_all_reduce(
         # so offering it the staged buffer keeps every rank on the same algorithm.
         from ._shm import shared_memory_post
 
+        # The staged copy holds the floats: the shared-memory path reduces float MAX/MIN as
+        # they are, MPI reduces their keys (encoded on the host, decoded on the device).
         fast = shared_memory_post(ctx, group, staged.buffer.array, plan)
         if fast is None:
             steps = _reduce_staged(call, group, plan, staged, out, fix)
         else:
-            steps = _reduce_staged_shared(call, fast, staged, out, fix)
+            steps = _reduce_staged_shared(call, fast, staged, out, _FixUp(fix.divide_by, fix.into))
     post, finish_copy, keep = steps
 
     def finish() -> Tensor:
@@ -452,10 +468,14 @@ _Steps = tuple[Callable[[], Any], Callable[[], None], tuple[Any, ...]]
 
 @dataclass(frozen=True)
 class _FixUp:
-    """What happens on the device once MPI is done: MEAN's division, rounding back."""
+    """What happens on the device once MPI is done: MEAN's division, decoding, rounding back.
+
+    ``decode`` is the plan's codec for MAX/MIN of floats (the result holds keys), else None.
+    """
 
     divide_by: int | None
     into: Any
+    decode: Any = None
 
 
 def _reduce_device_buffers(
@@ -469,21 +489,27 @@ def _reduce_device_buffers(
         return [comm.Iallreduce([send, datatype], [out, datatype], mpi_op)]
 
     def finish() -> None:
-        call.finish_on_device(out, divide_by=fix.divide_by, into=fix.into)
+        call.finish_on_device(out, divide_by=fix.divide_by, into=fix.into, decode=fix.decode)
 
     return post, finish, ()
 
 
 def _reduce_staged(call: GpuCall, group: Group, plan: ReducePlan, staged: Staged, out: Any, fix: _FixUp) -> _Steps:
-    """staged: MPI reduces the pinned copy in place; the result is copied back."""
-    comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
+    """staged: MPI reduces the pinned copy in place; the result is copied back.
+
+    For float MAX/MIN the pinned copy holds the floats: they become keys there (a private
+    buffer), and the result is decoded on the device.
+    """
+    comm, datatype, mpi_op, codec = group.comm, plan.datatype, plan.mpi_op, plan.codec
 
     def post() -> list[Any]:
         host = staged.wait()
+        if codec is not None:
+            codec.encode(host, host)
         return [comm.Iallreduce(MPI.IN_PLACE, [host, datatype], mpi_op)]
 
     def finish() -> None:
-        call.unstage(staged.buffer, out, divide_by=fix.divide_by, into=fix.into)
+        call.unstage(staged.buffer, out, divide_by=fix.divide_by, into=fix.into, decode=fix.decode)
 
     return post, finish, (staged.buffer,)
 

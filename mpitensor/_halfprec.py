@@ -10,6 +10,10 @@ against 2.6e-3, where each pairwise 16-bit step rounds) and was as fast or faste
 16 MiB than both a native float16 reduction and a user-defined 16-bit op, despite moving
 twice the bytes. Collectives that do not reduce (broadcast, all_gather, send, ...) move
 half-precision data as 16-bit words.
+
+MAX and MIN are the exception: their result is one of the inputs, so nothing is gained by
+widening, and they are reduced as 16-bit integer keys that order like the floats (see
+`_dtypes.OrderedKeys`), which also gives NumPy's NaN propagation.
 """
 
 from __future__ import annotations

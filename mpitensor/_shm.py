@@ -103,7 +103,7 @@ _MAX_PEER_MAP_BYTES = 1 << 30
 _TAG_INFO, _TAG_FLAG, _TAG_AGREED, _TAG_SCATTER, _TAG_GATHER, _TAG_READY, _TAG_COPIED = range(32700, 32707)
 _EXTRA_KEY = "shared_memory"
 
-# MPI op -> NumPy ufunc. A list, because MPI.Op objects are not hashable.
+# MPI op -> NumPy ufunc, for plans that name no ``combine``. A list: MPI.Op objects are not hashable.
 _UFUNCS: list[tuple[Any, Any]] = [
     (MPI.SUM, np.add),
     (MPI.PROD, np.multiply),
@@ -323,9 +323,11 @@ def shared_memory_post(
     after the consistency check passed, and it returns a `Stepper` whose ``advance()``
     never blocks (it only tests requests and does the local copies and reductions that are
     due). When ``advance()`` has returned True, ``out`` holds the reduction of every rank's
-    `send` with ``plan.mpi_op``, the same bits on every rank; the division of ``MEAN``
-    (``plan.divide``) is left to the caller's ``finish``, as for ``MPI_Iallreduce``. `send`
-    must stay alive and unchanged until then (the Op's ``keep`` and protections do that).
+    `send` with ``plan.combine`` (the bits ``plan.mpi_op`` gives), the same bits on every
+    rank; the division of ``MEAN`` (``plan.divide``) is left to the caller's ``finish``, as
+    for ``MPI_Iallreduce``. For float MAX/MIN, `send` holds the floats themselves, not the
+    keys MPI would reduce (``plan.codec``): the result needs no decoding. `send` must stay
+    alive and unchanged until then (the Op's ``keep`` and protections do that).
 
     The decision depends only on what every rank agrees on once the check has passed
     (size, dtype, op, group, config, hosts), so all ranks take the same path.
@@ -333,13 +335,15 @@ def shared_memory_post(
     It returns None when: ``config.shared_memory`` is False; the message is empty, or
     smaller than `min_bytes()` and ``shared_memory`` is None (True forces any size); the
     group has one rank, or no node holds two of its ranks; `send` is not a host array; the
-    op has no NumPy equivalent (user-defined ops: MAX/MIN of complex, bfloat16) or the dtype
-    is not a plain number or bool; the platform has no ``memfd``.
+    op is user-defined (MAX/MIN of complex numbers) or has no NumPy equivalent, or the dtype
+    is not a plain number or bool (bfloat16 is not; its sums arrive as float32); the
+    platform has no ``memfd``.
 
     Args:
         ctx: the context.
         group: the group the all-reduce runs on.
-        send: the contiguous buffer to reduce, of dtype ``plan.work_dtype``.
+        send: the contiguous buffer to reduce, of dtype ``plan.work_dtype`` (the floats, for
+            float MAX/MIN).
         plan: the reduce plan (MPI op and datatype).
 
     Returns:
@@ -356,8 +360,10 @@ def shared_memory_post(
         return None
     if send.dtype.kind not in "biufc" or not send.flags.c_contiguous:
         return None
-    ufunc = _ufunc_for(plan.mpi_op)
-    if ufunc is None:
+    # User-defined MPI ops (MAX/MIN of complex numbers and of 16-byte long doubles) stay on
+    # MPI's path.
+    ufunc = plan.combine if plan.combine is not None else _ufunc_for(plan.mpi_op)
+    if ufunc is None or not plan.mpi_op.is_predefined:
         return None
     out, block = state.lease_result(send.shape, send.dtype, ctx)
     # With a progress thread and a core to spare, the copies and reductions run there,
