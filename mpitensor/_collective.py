@@ -17,7 +17,7 @@ from ._context import DevicesArg, DistributedContext
 from ._dtypes import transfer_dtype
 from ._engine import COMPLETE, FAILED, Group, Op
 from ._errors import ContextClosedError, DeviceError
-from ._protect import Protection, restorable
+from ._protect import Protection, foreign, restorable
 from ._tensor import Tensor
 
 __all__ = ["PLAIN_DTYPES", "CollectiveTensor", "Input", "Later", "run_barrier", "take_input", "timeout_arg"]
@@ -172,14 +172,15 @@ class Input:
     def guard(self, ctx: DistributedContext) -> tuple[Protection, ...]:
         """Keep the input from changing while MPI reads it; call before using `buffer`.
 
-        The input is made read-only for the time being, or, where NumPy could not make it
-        writable again afterwards (memory some other object exposes), `buffer` becomes a
-        private copy. A copy needs nothing.
+        The input is made read-only for the time being, or, where that would not keep it
+        unchanged (memory another library owns and can write: torch, ctypes, DLPack) or
+        NumPy could not make it writable again afterwards, `buffer` becomes a private copy.
+        A copy needs nothing.
         """
         if self.copied:
             return ()
         array = self.array
-        if type(array) is np.ndarray and array.flags.writeable and not restorable(array):
+        if type(array) is np.ndarray and (foreign(array) or (array.flags.writeable and not restorable(array))):
             self.buffer = ctx._pool.empty(array.shape, array.dtype)
             np.copyto(self.buffer, array)
             self.copied = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -104,6 +105,11 @@ def structure_hash(keys: Iterable[Any], arrays: Iterable[Any]) -> int:
     names = zlib.crc32("\0".join(map(repr, keys)).encode())
     layout = hash(tuple((a.shape, a.dtype.num) for a in arrays))
     return hash((names, layout)) & ((1 << 56) - 1)
+
+
+def describe_entries(keys: Sequence[Any], arrays: Sequence[Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(key, shape, dtype)`` of every tensor of a structure, to name a mismatched entry."""
+    return [(repr(key), tuple(array.shape), str(array.dtype)) for key, array in zip(keys, arrays)]
 
 
 def _flatten(structure: Any) -> tuple[list[Any], list[Any]]:
@@ -236,6 +242,7 @@ def _start_fused(
     checked = ctx._config.check and group.size > 1
     record = Record(kind, reduce_op, None, (len(buffers), sum(sizes)), -1, group.members,
                     extra=structure_hash(keys, buffers) if checked else 0)
+    record.entries = partial(describe_entries, keys, buffers)
     nbytes = sum(buffer.nbytes for buffer in buffers)
     return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes, rounding)
 
