@@ -17,13 +17,19 @@ The API mirrors the distributed module of the Burn framework.
 
 from __future__ import annotations
 
-from . import _all_gather, _all_reduce, _all_to_all, _broadcast, _context, _reduce, _reduce_scatter
-from ._collective import CollectiveTensor
-from ._config import DistributedConfig, ReduceOperation
-from ._context import DistributedContext, current_context
-from ._device import Device
-from ._entry import collective_entry
-from ._errors import (
+from ._collectives import all_gather as _all_gather
+from ._collectives import all_reduce as _all_reduce
+from ._collectives import all_to_all as _all_to_all
+from ._collectives import barrier as _barrier
+from ._collectives import broadcast as _broadcast
+from ._collectives import reduce as _reduce
+from ._collectives import reduce_scatter as _reduce_scatter
+from ._collectives.common import CollectiveTensor
+from ._collectives.gradient_sync import GradientSync
+from ._collectives.p2p import recv, send
+from ._core.config import DistributedConfig, ReduceOperation
+from ._core.device import Device
+from ._core.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ContextBrokenError,
@@ -35,10 +41,10 @@ from ._errors import (
     TensorInFlightError,
     ThreadMisuseError,
 )
-from ._gradient_sync import GradientSync
-from ._mpi import defer_finalize
-from ._p2p import recv, send
-from ._tensor import Tensor, arange, as_tensor, empty, from_numpy, full, ones, tensor, zeros
+from ._core.mpi import defer_finalize
+from ._core.tensor import Tensor, arange, as_tensor, empty, from_numpy, full, ones, tensor, zeros
+from ._runtime.context import DistributedContext, current_context
+from ._runtime.entry import collective_entry
 
 all_reduce = collective_entry("all_reduce")(_all_reduce.all_reduce)
 broadcast = collective_entry("broadcast")(_broadcast.broadcast)
@@ -46,7 +52,7 @@ reduce = collective_entry("reduce")(_reduce.reduce)
 all_gather = collective_entry("all_gather")(_all_gather.all_gather)
 reduce_scatter = collective_entry("reduce_scatter")(_reduce_scatter.reduce_scatter)
 all_to_all = collective_entry("all_to_all")(_all_to_all.all_to_all)
-barrier = collective_entry("barrier")(_context.barrier)
+barrier = collective_entry("barrier")(_barrier.barrier)
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="print every rank's host, local rank, device, MPI and data path")
     args = parser.parse_args(argv)
     if args.command == "info":
-        from ._info import main as info_main
+        from ._tools.info import main as info_main
 
         return info_main()
     parser.error(f"unknown command {args.command}")

@@ -22,7 +22,7 @@ def _launched_by_mpi() -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     """Defer finalization to exit; initialize MPI if the run is an MPI run."""
-    from . import _mpi
+    from ._core import mpi as _mpi
 
     _mpi.defer_finalize()
     with_mpi = False
@@ -36,7 +36,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """One line naming the MPI library, its thread level and the world size."""
-    from . import _mpi
+    from ._core import mpi as _mpi
 
     name, version = _mpi.vendor()
     line = f"mpitensor: {name} {version}"

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args)
     if args.files:
         _parser().error("file arguments belong to 'report'")
-    from .. import _mpi, defer_finalize
+    from .. import defer_finalize
+    from .._core import mpi as _mpi
     from ._common import format_size, load_average, machine, parse_size, parse_sizes, write_json, write_text
     from .fused import format_fused, run_fused
     from .overlap import format_overlap, plot_overlap, run_overlap

@@ -18,8 +18,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import _mpi
-from .._mpi import MPI
+from .._core import mpi as _mpi
+from .._core.mpi import MPI
 
 __all__ = [
     "Timing",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import DistributedConfig, DistributedContext, all_reduce, from_numpy
-from .._mpi import MPI
+from .._core.mpi import MPI
 from ._common import Timing, format_size, markdown_table, median, ratio, text_table, us
 
 __all__ = ["format_fused", "run_fused"]

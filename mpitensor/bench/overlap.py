@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import DistributedConfig, DistributedContext, all_reduce, from_numpy
-from .._mpi import MPI
+from .._core.mpi import MPI
 from ._common import Timing, format_size, markdown_table, median, size_axis, text_table, us
 
 __all__ = ["LABELS", "VARIANTS", "format_overlap", "plot_overlap", "run_overlap"]

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .. import DistributedConfig, DistributedContext, all_reduce, from_numpy
-from .._mpi import MPI
+from .._core.mpi import MPI
 from ._common import (
     Timing,
     busbw_factor,

@@ -1,0 +1,365 @@
+"""`CollectiveTensor`, the handle every collective returns, and what collectives share.
+
+That is: turning inputs into buffers, protecting them, and starting ops on the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .._core import state as _state
+from .._core.backend import is_cupy_array
+from .._core.dtypes import transfer_dtype
+from .._core.errors import ContextClosedError, DeviceError
+from .._core.protect import Protection, foreign, restorable
+from .._core.tensor import Tensor
+from .._runtime.check import Record
+from .._runtime.context import DistributedContext
+from .._runtime.engine import COMPLETE, FAILED, Group, Op
+
+__all__ = ["PLAIN_DTYPES", "CollectiveTensor", "Input", "Later", "take_input", "timeout_arg"]
+
+
+class CollectiveTensor:
+    """The result of a collective that may still be in flight.
+
+    Compute placed between the collective call and `resolve()` overlaps the
+    communication. The handle owns nothing MPI needs: dropping it unresolved is safe (the
+    context keeps the buffers until MPI is done).
+    """
+
+    __slots__ = ("_ctx", "_op", "_resolved", "_value")
+
+    def __init__(self, op: Op, value: Any, ctx: DistributedContext) -> None:
+        self._op = op
+        self._value = value
+        self._ctx = ctx
+        self._resolved = False
+
+    def resolve(self, timeout: float | None = None) -> Any:
+        """Wait for the collective, finish it, and return its result.
+
+        A second call returns the same result object.
+
+        Args:
+            timeout: seconds to wait at most; None uses the context's timeout
+                (`DistributedConfig.timeout` or ``MPITENSOR_TIMEOUT``), else waits forever.
+
+        Returns:
+            The result: a `Tensor` (``None`` on non-root ranks of `reduce`, and the same
+            structure of tensors for a fused all-reduce).
+
+        Raises:
+            CollectiveTimeoutError: the timeout passed (the context is then broken).
+            CollectiveMismatchError: the ranks disagreed (found by the check).
+            ContextClosedError: the context was closed before this handle was resolved.
+            ValueError: `timeout` is not positive.
+        """
+        op = self._op
+        if op.state == COMPLETE and (self._resolved or not self._ctx._closed):
+            self._resolved = True
+            if isinstance(self._value, Later):
+                self._value = op.result
+            return self._value
+        if op.state == FAILED:
+            assert op.error is not None
+            raise op.error
+        if self._ctx._closed:
+            raise ContextClosedError(
+                f"cannot resolve {op.describe()}: its context was closed first "
+                "(close() completed it, but results must be resolved before closing)"
+            )
+        self._ctx._engine.wait(op, self._ctx._timeout if timeout is None else timeout_arg(timeout, self._ctx))
+        self._resolved = True
+        if isinstance(self._value, Later):
+            self._value = op.result
+        return self._value
+
+    def assume_resolved(self) -> Any:
+        """Return the result without waiting (unsafe, as Burn's ``assume_resolved``).
+
+        The returned tensor is the one `resolve()` will return, but until the collective
+        completes its contents are undefined (and, for MEAN, not yet divided). Writing to
+        it before then raises `TensorInFlightError`. Call `resolve()` before using it.
+
+        Raises:
+            CollectiveMismatchError: the check already found the ranks disagree.
+        """
+        op = self._op
+        if op.state == FAILED:
+            assert op.error is not None
+            raise op.error
+        if isinstance(self._value, Later):
+            # The result's shape comes from the other ranks: wait for that exchange only.
+            self._ctx._engine.wait_posted(op, self._ctx.timeout)
+            if op.state == FAILED:
+                assert op.error is not None
+                raise op.error
+            value = self._value.value
+        else:
+            value = self._value
+        if op.state < COMPLETE:
+            self._ctx._engine.protect_outputs(op, value)
+        return value
+
+    def test(self) -> bool:
+        """Advance communication without blocking; True once the result is ready."""
+        op = self._op
+        if op.state < COMPLETE and not self._ctx._closed:
+            self._ctx._engine.progress()
+        return op.state >= COMPLETE
+
+    @property
+    def done(self) -> bool:
+        """True once the collective is complete (see `test()`; this calls it)."""
+        return self.test()
+
+    def __repr__(self) -> str:
+        return f"CollectiveTensor({self._op.describe()}, {self._op.state_name})"
+
+
+def timeout_arg(timeout: float | None, ctx: DistributedContext) -> float | None:
+    """The timeout to wait with: `timeout`, else the context's.
+
+    Raises:
+        ValueError: `timeout` is not a positive number.
+        TypeError: `timeout` is not a number.
+    """
+    if timeout is None:
+        return ctx.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+class Later:
+    """A result that exists only once the op is posted (its shape comes from the peers).
+
+    The op's `post()` sets `value`; `finish()` returns it.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+
+class Input:
+    """A collective's input, made ready for MPI.
+
+    Attributes:
+        tensor: the Tensor given, or None for a bare array.
+        array: the array given (NumPy or CuPy).
+        buffer: what MPI reads: `array` itself, or a contiguous native copy of it.
+        copied: True when `buffer` is a private copy (needs no protection).
+        on_gpu: True for a CuPy input.
+    """
+
+    __slots__ = ("array", "buffer", "copied", "on_gpu", "tensor")
+
+    def __init__(self, tensor: Tensor | None, array: Any, buffer: Any, copied: bool, on_gpu: bool = False) -> None:
+        self.tensor = tensor
+        self.array = array
+        self.buffer = buffer
+        self.copied = copied
+        self.on_gpu = on_gpu
+
+    def guard(self, ctx: DistributedContext) -> tuple[Protection, ...]:
+        """Keep the input from changing while MPI reads it; call before using `buffer`.
+
+        The input is made read-only for the time being, or, where that would not keep it
+        unchanged (memory another library owns and can write: torch, ctypes, DLPack) or
+        NumPy could not make it writable again afterwards, `buffer` becomes a private copy.
+        A copy needs nothing.
+        """
+        if self.copied:
+            return ()
+        array = self.array
+        if type(array) is np.ndarray and (foreign(array) or (array.flags.writeable and not restorable(array))):
+            self.buffer = ctx._pool.empty(array.shape, array.dtype)
+            np.copyto(self.buffer, array)
+            self.copied = True
+            return ()
+        return (Protection(self.tensor, array),)
+
+
+# The dtypes MPI carries as they are (native byte order); others go through transfer_dtype.
+PLAIN_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+              np.float16, np.float32, np.float64, np.complex64, np.complex128)
+)
+
+
+def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "input") -> Input:
+    """Check a collective's input and make it ready for MPI.
+
+    Non-contiguous or byte-swapped arrays are copied into a contiguous native buffer.
+
+    Raises:
+        TypeError: not a Tensor or NumPy/CuPy array, or a dtype MPI cannot carry.
+        DeviceError: a GPU tensor on another GPU than this rank's.
+    """
+    if type(value) is Tensor:
+        tensor, array = value, value._array
+    elif type(value) is np.ndarray:
+        tensor, array = None, value
+    elif isinstance(value, Tensor):
+        tensor, array = value, value._array
+    elif isinstance(value, np.ndarray) or is_cupy_array(value):
+        tensor, array = None, value
+    else:
+        raise TypeError(
+            f"{what} expects {argument} to be a mpitensor.Tensor or a NumPy array, "
+            f"got {type(value).__name__}"
+        )
+    dtype = array.dtype
+    if dtype not in PLAIN_DTYPES:  # the common dtypes pass without a lookup of their MPI type
+        dtype = transfer_dtype(dtype)
+    if type(array) is not np.ndarray and is_cupy_array(array):
+        _check_gpu(array, ctx, what)
+        if array.flags.c_contiguous and dtype == array.dtype:
+            return Input(tensor, array, array, False, True)
+        import cupy
+
+        return Input(tensor, array, cupy.ascontiguousarray(array, dtype=dtype), True, True)
+    if array.flags.c_contiguous and dtype == array.dtype:
+        return Input(tensor, array, array, False)
+    buffer = ctx._pool.empty(array.shape, dtype)
+    np.copyto(buffer, array, casting="no" if dtype == array.dtype else "equiv")
+    return Input(tensor, array, buffer, True)
+
+
+def _check_gpu(array: Any, ctx: DistributedContext, what: str) -> None:
+    device = ctx.device
+    if device.kind == "cuda" and int(array.device.id) != device.index:
+        raise DeviceError(
+            f"{what} got a tensor on cuda:{array.device.id}, but this rank's device is "
+            f"{device}; move it with tensor.to(ctx.device)"
+        )
+
+
+def start(ctx: DistributedContext, op: Op, value: Any) -> CollectiveTensor:
+    """Submit `op` to the context's engine and wrap it in a handle."""
+    ctx._engine.submit(op)
+    return CollectiveTensor(op, value, ctx)
+
+
+def check_record(ctx: DistributedContext, group: Group, record: Record) -> Record | None:
+    """`record` if this call is checked (check on, more than one rank), else None."""
+    if ctx._config.check and group.size > 1:
+        return record
+    return None
+
+
+def context_for(what: str) -> DistributedContext:
+    """The current context, checked usable.
+
+    Raises:
+        NoContextError, ContextClosedError, ContextBrokenError.
+    """
+    stack = _state._open
+    ctx = stack[-1] if stack else _state.current()
+    if ctx._closed or ctx._broken is not None:
+        ctx._ensure_usable()
+    return ctx
+
+
+def root_rank(ctx: DistributedContext, root: Any) -> int:
+    """The root's context rank, from an int rank or a `Device`.
+
+    Raises:
+        TypeError: `root` is neither.
+        DeviceError: a Device that is not in the context.
+    """
+    from .._core.device import Device
+
+    if isinstance(root, Device):
+        return ctx._rank_of_device(root)
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"root must be a rank (int) or a mpitensor.Device, got {type(root).__name__}")
+    return int(root)
+
+
+def group_root(group: Group, root: int, what: str) -> int:
+    """The root's index in `group` (its rank in the group's communicator).
+
+    Called when the data is posted, after the check: ranks that agree on a bad root all
+    raise here, at the same point, so none is left waiting.
+
+    Raises:
+        ValueError: `root` is negative or not a member of the group.
+    """
+    if root < 0:
+        raise ValueError(f"{what}: root must be a rank >= 0, got {root}")
+    try:
+        return group.members.index(root)
+    except ValueError:
+        raise ValueError(
+            f"{what}: root {root} is not in the group {group.describe()}; the root must be one of its ranks"
+        ) from None
+
+
+def reduction_input(ctx: DistributedContext, source: Input, plan: Any) -> tuple[Any, tuple[Protection, ...]]:
+    """The buffer a reduction sends, and the protections that keep it unchanged meanwhile.
+
+    The buffer is the input, converted to the plan's work dtype where that differs, or
+    for MAX/MIN of floats and complex numbers a private copy encoded for MPI (``plan.codec``:
+    the integer keys MPI reduces for floats).
+    """
+    codec = plan.codec
+    if codec is not None:
+        buffer = ctx._pool.empty(source.buffer.shape, plan.work_dtype)
+        codec.encode(source.buffer, buffer)
+        source.buffer = buffer
+        source.copied = True
+        return buffer, ()
+    if plan.work_dtype != source.buffer.dtype:
+        source.buffer = source.buffer.astype(plan.work_dtype)
+        source.copied = True
+    # guard() may swap in a private copy: read the buffer after it.
+    protections = source.guard(ctx)
+    return source.buffer, protections
+
+
+def reduction_buffers(ctx: DistributedContext, shape: tuple[int, ...], plan: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The buffer MPI reduces into and the array the result tensor wraps.
+
+    They are the same array, except for half precision, which is reduced in float32 and
+    rounded back into the result by `finish_reduction`.
+    """
+    work = ctx._pool.empty(shape, plan.work_dtype)
+    return work, (ctx._pool.empty(shape, plan.out_dtype) if plan.rounds_back else work)
+
+
+def finish_reduction(work: np.ndarray, final: np.ndarray, plan: Any, size: int) -> None:
+    """Apply MEAN's division, turn MAX/MIN keys back into floats, round half precision back; in place."""
+    if plan.divide:
+        np.true_divide(work, size, out=work)
+    elif plan.codec is not None:
+        plan.codec.decode(work)
+    if final is not work:
+        np.copyto(final, work, casting="unsafe")
+
+
+def result_device(ctx: DistributedContext, source: Input) -> Any:
+    """The device a host result goes to: the input tensor's, else this rank's CPU."""
+    return source.tensor.device if source.tensor is not None else ctx._cpu_device
+
+
+__all__ += [
+    "check_record",
+    "context_for",
+    "finish_reduction",
+    "group_root",
+    "reduction_buffers",
+    "reduction_input",
+    "result_device",
+    "root_rank",
+    "start",
+]

@@ -1,0 +1,303 @@
+"""The fused all-reduce of many tensors: packed into buckets, one ``MPI_Iallreduce`` each.
+
+Many small all-reduces cost one latency each; packed into buckets of
+`DistributedConfig.bucket_bytes` (PyTorch DDP's idea) they cost a few. Tensors are grouped
+by the dtype MPI reduces them in and packed in their given order; a tensor larger than a
+bucket gets a bucket of its own. The results are views into the buckets' result buffers,
+so unpacking copies nothing.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from .._core.config import ReduceOperation, parse_op
+from .._core.dtypes import ReducePlan, reduce_plan
+from .._core.tensor import Tensor, wrap_array
+from .._runtime.check import Record
+from .._runtime.context import DevicesArg, DistributedContext
+from .._runtime.engine import Group, Op
+from .common import PLAIN_DTYPES, CollectiveTensor, check_record, start, take_input
+
+__all__ = ["Bucket", "fused_all_reduce", "plan_buckets", "start_buckets", "structure_hash"]
+
+
+@dataclass
+class Bucket:
+    """Tensors (by index) that travel in one buffer, and where each one sits in it."""
+
+    plan: ReducePlan
+    members: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    elements: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the bucket's buffer in bytes."""
+        return self.elements * self.plan.work_dtype.itemsize
+
+
+def plan_buckets(sizes: Sequence[int], plans: Sequence[ReducePlan], bucket_bytes: int) -> list[Bucket]:
+    """Pack tensors into buckets of at most `bucket_bytes`, one dtype per bucket.
+
+    Args:
+        sizes: each tensor's number of elements, in the order to pack them.
+        plans: each tensor's reduce plan (the dtype MPI reduces it in).
+        bucket_bytes: the most bytes a bucket holds (a larger tensor goes alone).
+
+    Returns:
+        The buckets, in the order their first tensor appears.
+    """
+    buckets: list[Bucket] = []
+    if plans and all(plan is plans[0] for plan in plans):
+        return _pack_one_kind(sizes, plans[0], bucket_bytes)
+    open_by_kind: dict[tuple[Any, ...], Bucket] = {}
+    for index, (size, plan) in enumerate(zip(sizes, plans)):
+        # Tensors share a bucket when MPI reduces them alike (MPI ops are unhashable
+        # handles, but the predefined ones are singletons).
+        key = (plan.work_dtype, id(plan.mpi_op), id(plan.datatype), plan.divide)
+        bucket = open_by_kind.get(key)
+        nbytes = size * plan.work_dtype.itemsize
+        if bucket is None or (bucket.members and bucket.nbytes + nbytes > bucket_bytes):
+            bucket = Bucket(plan)
+            buckets.append(bucket)
+            open_by_kind[key] = bucket
+        bucket.members.append(index)
+        bucket.offsets.append(bucket.elements)
+        bucket.elements += size
+    return buckets
+
+
+def _pack_one_kind(sizes: Sequence[int], plan: ReducePlan, bucket_bytes: int) -> list[Bucket]:
+    """`plan_buckets` when every tensor has the same plan (the usual case).
+
+    The same packing, without the bookkeeping by kind.
+    """
+    limit = bucket_bytes // plan.work_dtype.itemsize
+    buckets = [Bucket(plan)]
+    members, offsets = buckets[0].members, buckets[0].offsets
+    filled = 0
+    for index, size in enumerate(sizes):
+        if members and filled + size > limit:
+            buckets[-1].elements = filled
+            buckets.append(Bucket(plan))
+            members, offsets = buckets[-1].members, buckets[-1].offsets
+            filled = 0
+        members.append(index)
+        offsets.append(filled)
+        filled += size
+    buckets[-1].elements = filled
+    return buckets
+
+
+def structure_hash(keys: Iterable[Any], arrays: Iterable[Any]) -> int:
+    """A hash of the names, shapes and dtypes of a structure, equal on every rank.
+
+    Names are hashed as text with CRC-32 (Python's own string hash differs between
+    processes); shapes and dtype numbers, as a tuple of ints (whose hash does not).
+    """
+    names = zlib.crc32("\0".join(map(repr, keys)).encode())
+    layout = hash(tuple((a.shape, a.dtype.num) for a in arrays))
+    return hash((names, layout)) & ((1 << 56) - 1)
+
+
+def describe_entries(keys: Sequence[Any], arrays: Sequence[Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(key, shape, dtype)`` of every tensor of a structure, to name a mismatched entry."""
+    return [(repr(key), tuple(array.shape), str(array.dtype)) for key, array in zip(keys, arrays)]
+
+
+def _flatten(structure: Any) -> tuple[list[Any], list[Any]]:
+    if isinstance(structure, dict):
+        return list(structure.keys()), list(structure.values())
+    return list(range(len(structure))), list(structure)
+
+
+def _rebuild(structure: Any, keys: list[Any], values: list[Any]) -> Any:
+    if isinstance(structure, dict):
+        return dict(zip(keys, values))
+    if isinstance(structure, tuple):
+        return tuple(values)
+    return list(values)
+
+
+def fused_all_reduce(
+    ctx: DistributedContext,
+    structure: Any,
+    op: ReduceOperation | str | None,
+    devices: DevicesArg,
+    *,
+    bucket_bytes: int | None = None,
+    kind: str = "fused all_reduce",
+) -> CollectiveTensor:
+    """All-reduce a list, tuple or dict of tensors as one fused operation.
+
+    Args:
+        ctx: the context.
+        structure: the tensors (Tensor or NumPy array leaves).
+        op: the reduction; None for the context's default.
+        devices: the group; None for every rank of the context.
+        bucket_bytes: the bucket size; None for ``ctx.config.bucket_bytes``.
+        kind: the operation's name in messages and in the check.
+
+    Returns:
+        A `CollectiveTensor` resolving to the same structure of result tensors.
+
+    Raises:
+        TypeError: a leaf is not a tensor/array, or a CUDA tensor.
+    """
+    reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
+    group = ctx._group(devices, kind)
+    keys, values = _flatten(structure)
+    plain = _plain_host_leaves(values, ctx._cpu_device)
+    if plain is not None:
+        buffers, devices_out = plain
+    else:
+        what = f"every tensor of the {type(structure).__name__}"
+        inputs = [take_input(v, ctx, "all_reduce", what) for v in values]
+        if any(item.on_gpu for item in inputs):
+            from .gpu_staged import gpu_fused_all_reduce
+
+            return gpu_fused_all_reduce(ctx, structure, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
+        buffers = [item.buffer for item in inputs]  # contiguous, of the input's shape
+        devices_out = [item.tensor.device if item.tensor is not None else ctx._cpu_device for item in inputs]
+    return _start_fused(ctx, group, structure, keys, buffers, devices_out, reduce_op, bucket_bytes, kind)
+
+
+def _plain_host_leaves(values: list[Any], host: Any) -> tuple[list[np.ndarray], list[Any]] | None:
+    """The leaves' arrays and devices when every leaf is a contiguous host array of a plain dtype.
+
+    That is the usual case (gradients), and it needs neither copies nor `take_input`'s
+    checks; anything else returns None and goes the general way.
+    """
+    arrays: list[np.ndarray] = []
+    devices: list[Any] = []
+    for value in values:
+        kind = type(value)
+        if kind is Tensor:
+            array = value._array
+            device = value._device
+        elif kind is np.ndarray:
+            array = value
+            device = host
+        else:
+            return None
+        if type(array) is not np.ndarray or not array.flags.c_contiguous or array.dtype not in PLAIN_DTYPES:
+            return None
+        arrays.append(array)
+        devices.append(device)
+    return arrays, devices
+
+
+def _start_fused(
+    ctx: DistributedContext,
+    group: Group,
+    structure: Any,
+    keys: list[Any],
+    buffers: list[np.ndarray],
+    devices: list[Any],
+    reduce_op: ReduceOperation,
+    bucket_bytes: int | None,
+    kind: str,
+) -> CollectiveTensor:
+    # 256 gradients usually share one or two dtypes: one plan per dtype, not per tensor.
+    by_dtype: dict[np.dtype, ReducePlan] = {}
+    plans = []
+    for buffer in buffers:
+        plan = by_dtype.get(buffer.dtype)
+        if plan is None:
+            plan = by_dtype[buffer.dtype] = reduce_plan(reduce_op, buffer.dtype)
+        plans.append(plan)
+    sizes = [buffer.size for buffer in buffers]
+    buckets = plan_buckets(sizes, plans, bucket_bytes or ctx._config.bucket_bytes)
+    outputs: list[Any] = [None] * len(buffers)
+    sends, recvs = [], []
+    rounding: list[tuple[np.ndarray, np.ndarray]] = []  # half precision: (float32 view, result)
+    for bucket in buckets:
+        dtype = bucket.plan.work_dtype
+        send = ctx._pool.empty((bucket.elements,), dtype)
+        out = ctx._pool.empty((bucket.elements,), dtype)
+        # One C call packs the bucket, flattening each input itself (axis=None);
+        # numpy.split would cost more than it saves to unpack.
+        np.concatenate([buffers[i] for i in bucket.members], axis=None, out=send, casting="unsafe")
+        for index, offset in zip(bucket.members, bucket.offsets):
+            buffer = buffers[index]
+            view = out[offset : offset + sizes[index]]
+            if buffer.ndim != 1:
+                view = view.reshape(buffer.shape)
+            if plans[index].rounds_back:
+                final = ctx._pool.empty(buffer.shape, plans[index].out_dtype)
+                rounding.append((view, final))
+                view = final
+            outputs[index] = wrap_array(view, devices[index])
+        sends.append(send)
+        recvs.append(out)
+    result = _rebuild(structure, keys, outputs)
+    # Hashing the structure costs per tensor: only a checked call needs it.
+    checked = ctx._config.check and group.size > 1
+    record = Record(kind, reduce_op, None, (len(buffers), sum(sizes)), -1, group.members,
+                    extra=structure_hash(keys, buffers) if checked else 0)
+    record.entries = partial(describe_entries, keys, buffers)
+    nbytes = sum(buffer.nbytes for buffer in buffers)
+    return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes, rounding)
+
+
+def start_buckets(
+    ctx: DistributedContext,
+    group: Group,
+    buckets: Sequence[Bucket],
+    sends: Sequence[np.ndarray],
+    recvs: Sequence[np.ndarray],
+    result: Any,
+    record: Record,
+    nbytes: int,
+    rounding: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+) -> CollectiveTensor:
+    """All-reduce packed buckets as one op: one ``MPI_Iallreduce`` per bucket.
+
+    For MAX/MIN of floats (plans with a ``codec``) the packed floats are turned into the
+    keys MPI reduces here, in place, and the results back into floats when the op finishes.
+
+    Args:
+        ctx: the context.
+        group: the group.
+        buckets: the buckets (their plans give op and dtype).
+        sends: each bucket's packed input (a private buffer: it may be changed).
+        recvs: each bucket's result buffer (the result's tensors are views of them).
+        result: what `resolve()` returns.
+        record: what this rank says about the call, for the check.
+        nbytes: the bytes of all the tensors, for messages.
+        rounding: (float32 view, half-precision result) pairs to round back at the end.
+
+    Returns:
+        The handle resolving to `result`.
+    """
+    comm, size = group.comm, group.size
+    for bucket, send in zip(buckets, sends):
+        if bucket.plan.codec is not None:
+            bucket.plan.codec.encode(send, send)
+
+    def post() -> list[Any]:
+        return [
+            comm.Iallreduce([send, b.plan.datatype], [out, b.plan.datatype], b.plan.mpi_op)
+            for b, send, out in zip(buckets, sends, recvs)
+        ]
+
+    def finish() -> Any:
+        for bucket, out in zip(buckets, recvs):
+            if bucket.plan.divide:
+                np.true_divide(out, size, out=out)
+            elif bucket.plan.codec is not None:
+                bucket.plan.codec.decode(out)
+        for view, final in rounding:
+            np.copyto(final, view, casting="unsafe")
+        return result
+
+    op = Op(record.kind, group, nbytes, post, finish, record=check_record(ctx, group, record),
+            keep=(*sends, *recvs, *(final for _, final in rounding)))
+    return start(ctx, op, result)

@@ -1,0 +1,206 @@
+"""Point-to-point `send` and `recv` (``MPI_Isend`` / ``MPI_Irecv``).
+
+Every message is a small header (dtype and shape) followed by the data, on the context's
+own point-to-point communicator. The header lets `recv` size its buffer from what was sent
+and, when the receiver names the shape and dtype it expects, lets it report a mismatch
+naming both sides instead of truncating or reading garbage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._core.device import Device
+from .._core.dtypes import mpi_datatype
+from .._core.errors import CollectiveMismatchError
+from .._core.tensor import Tensor
+from .._runtime.check import dtype_code, dtype_from_code
+from .._runtime.context import DistributedContext
+from .._runtime.engine import Op
+from .common import CollectiveTensor, Later, context_for, result_device, root_rank, start, take_input
+
+__all__ = ["recv", "send"]
+
+MAX_TAG = (1 << 14) - 1
+MAX_DIMS = 8  # dimensions a point-to-point header describes
+_HEADER = 2 + MAX_DIMS  # dtype code, ndim, dims
+
+
+def _peer(ctx: DistributedContext, peer: Any, what: str, name: str) -> int:
+    rank = root_rank(ctx, peer)
+    if not 0 <= rank < ctx.size:
+        raise ValueError(f"{what}: {name} {rank} is out of range for a context of {ctx.size} ranks")
+    if rank == ctx.rank:
+        raise ValueError(f"{what}: {name} {rank} is this rank; a rank cannot {what} to itself")
+    return rank
+
+
+def _tag(tag: Any) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+    if not 0 <= tag <= MAX_TAG:
+        raise ValueError(f"tag must be in 0..{MAX_TAG}, got {tag}")
+    return int(tag)
+
+
+def _header(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"send/recv carry tensors of up to {MAX_DIMS} dimensions, got {len(shape)}")
+    header = np.zeros(_HEADER, np.int64)
+    header[0] = dtype_code(dtype)
+    header[1] = len(shape)
+    header[2 : 2 + len(shape)] = shape
+    return header
+
+
+def _describe(header: np.ndarray) -> tuple[np.dtype, tuple[int, ...]]:
+    ndim = int(header[1])
+    return dtype_from_code(int(header[0])), tuple(int(d) for d in header[2 : 2 + ndim])
+
+
+def send(input: Any, dest: int | Device, *, tag: int = 0) -> CollectiveTensor:  # noqa: A002
+    """Start sending a tensor to rank `dest` and return at once.
+
+    Args:
+        input: the tensor to send; it must not be written until the send resolves.
+        dest: the receiving rank (in the context) or its `Device`.
+        tag: tells apart messages between the same two ranks (0..16383).
+
+    Returns:
+        A `CollectiveTensor` resolving to None once the buffer may be reused.
+
+    Raises:
+        TypeError, ValueError: bad input, rank or tag.
+    """
+    ctx = context_for("send")
+    peer = _peer(ctx, dest, "send", "dest")
+    tag = _tag(tag)
+    source = take_input(input, ctx, "send")
+    if source.on_gpu:
+        from .gpu_staged import gpu_send
+
+        return gpu_send(ctx, source, peer, tag)
+    protections = source.guard(ctx)
+    data = source.buffer
+    header = _header(data.shape, data.dtype)
+    comm, datatype = ctx._p2p.comm, mpi_datatype(data.dtype)
+
+    def post() -> list[Any]:
+        return [comm.Isend(header, peer, 2 * tag), comm.Isend([data, datatype], peer, 2 * tag + 1)]
+
+    op = Op(
+        f"send to rank {peer}",
+        ctx._p2p,
+        data.nbytes,
+        post,
+        lambda: None,
+        keep=(header, data),
+        protections=protections,
+    )
+    return start(ctx, op, None)
+
+
+class _Receive:
+    """Receives the header, then the data into a buffer sized from it."""
+
+    def __init__(self, ctx: DistributedContext, peer: int, tag: int, expect: tuple[Any, Any] | None,
+                 device: Device, later: Later) -> None:
+        self.ctx, self.peer, self.tag, self.expect, self.device, self.later = ctx, peer, tag, expect, device, later
+        self.header = np.empty(_HEADER, np.int64)
+        self.comm = ctx._p2p.comm
+        self.header_req = self.comm.Irecv(self.header, peer, 2 * tag)
+        self.data_req: Any = None
+        self.error: Exception | None = None
+        self.data: np.ndarray | None = None
+
+    def advance(self) -> bool:
+        if self.data_req is None:
+            if not self.header_req.Test():
+                return False
+            dtype, shape = _describe(self.header)
+            if self.expect is not None and self.ctx._config.check:
+                want_shape, want_dtype = self.expect
+                if (tuple(want_shape), np.dtype(want_dtype)) != (shape, dtype):
+                    self.error = CollectiveMismatchError(
+                        f"Mismatched send/recv (tag {self.tag}): rank {self.peer} sent a tensor of shape "
+                        f"{shape} and dtype {dtype}, but rank {self.ctx.rank} expects shape "
+                        f"{tuple(want_shape)} and dtype {np.dtype(want_dtype)}"
+                    )
+            # The data is received in full even on a mismatch, so no message is left behind.
+            self.data = self.ctx._pool.empty(shape, dtype)
+            self.data_req = self.comm.Irecv([self.data, mpi_datatype(dtype)], self.peer, 2 * self.tag + 1)
+            if self.error is None:
+                self.later.value = Tensor(self.data, self.device)
+        return bool(self.data_req.Test())
+
+    def finish(self) -> Tensor:
+        if self.error is not None:
+            raise self.error
+        return self.later.value
+
+
+def recv(
+    input: Any = None,  # noqa: A002
+    source: int | Device | None = None,
+    *,
+    shape: tuple[int, ...] | None = None,
+    dtype: Any = None,
+    tag: int = 0,
+) -> CollectiveTensor:
+    """Start receiving a tensor from rank `source` and return at once.
+
+    The result is a fresh tensor. Its shape and dtype come from the sender; when the
+    receiver states what it expects (a template tensor, or `shape` and `dtype`) and the
+    context's check is on, a difference raises `CollectiveMismatchError` naming both.
+
+    Args:
+        input: an optional template tensor of the expected shape and dtype (not written).
+            An int here is taken as `source`, so ``recv(0)`` receives from rank 0.
+        source: the sending rank (in the context) or its `Device`.
+        shape: the expected shape (instead of a template).
+        dtype: the expected dtype (instead of a template).
+        tag: the tag the sender used (0..16383).
+
+    Returns:
+        A `CollectiveTensor` resolving to the received tensor.
+
+    Raises:
+        TypeError, ValueError: bad template, rank or tag.
+        CollectiveMismatchError: (at resolve) the sender's shape or dtype differs from the
+            expected one.
+    """
+    ctx = context_for("recv")
+    if source is None and isinstance(input, (int, np.integer, Device)) and not isinstance(input, bool):
+        input, source = None, input  # noqa: A001
+    if source is None:
+        raise TypeError("recv needs source=, the rank to receive from")
+    peer = _peer(ctx, source, "recv", "source")
+    tag = _tag(tag)
+    expect = None
+    device = ctx._cpu_device
+    if input is not None:
+        template = take_input(input, ctx, "recv", "the template")
+        expect = (template.array.shape, template.buffer.dtype)
+        device = result_device(ctx, template)
+        if template.on_gpu:
+            from .gpu_staged import gpu_recv
+
+            return gpu_recv(ctx, peer, tag, expect)
+    elif shape is not None or dtype is not None:
+        if shape is None or dtype is None:
+            raise TypeError("recv: give both shape= and dtype= (or a template tensor)")
+        expect = ((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype))
+    later = Later()
+    receive: list[_Receive] = []
+
+    def post() -> _Receive:
+        receive.append(_Receive(ctx, peer, tag, expect, device, later))
+        return receive[0]
+
+    def finish() -> Tensor:
+        return receive[0].finish()
+
+    op = Op(f"recv from rank {peer}", ctx._p2p, 0, post, finish)
+    return start(ctx, op, later)

@@ -1,0 +1,99 @@
+"""Write protection of buffers while a collective reads or writes them.
+
+A NumPy array handed to a collective is made read-only until MPI is done with it, so a
+write through it raises instead of changing what is being sent; a `Tensor` also refuses
+in-place operators and item assignment. Writes through other views of the same memory
+cannot be seen; the docs say so. Protection nests: an array in two collectives at once
+becomes writable again only after both.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .pool import Lease
+from .tensor import Tensor
+
+__all__ = ["Protection", "foreign", "restorable"]
+
+_lock = threading.Lock()
+# id(array) -> [array, count, was_writeable]; the array is held so its id stays unique.
+_locked: dict[int, list[Any]] = {}
+
+
+def restorable(array: np.ndarray) -> bool:
+    """True if NumPy will let `array` become writable again after it was made read-only.
+
+    NumPy's rule: an array that owns its memory may; otherwise the chain of its bases is
+    followed, and a writable array on it, or a final object with a writable buffer, allows
+    it. Memory another object exposes through ``__array_interface__`` alone does not.
+    """
+    if array.base is None or array.flags.owndata:
+        return True
+    base = array.base
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return True
+        if base.base is None or base.flags.owndata:
+            return False
+        base = base.base
+    try:
+        with memoryview(base) as view:
+            return not view.readonly
+    except TypeError:
+        return False
+
+
+def foreign(array: np.ndarray) -> bool:
+    """True if `array`'s memory belongs to an object other than NumPy or mpitensor's pool.
+
+    Such memory (a torch tensor's, a ctypes buffer, a bytearray, a DLPack export) can be
+    written through its owner, which making the array read-only does not stop: a collective
+    must copy it instead.
+    """
+    base = array
+    while isinstance(base, np.ndarray):
+        if base.base is None or isinstance(base, Lease):
+            return False
+        base = base.base
+    return True
+
+
+class Protection:
+    """Protects one input (a Tensor or an array) until `release()` is called."""
+
+    __slots__ = ("_array", "_tensor")
+
+    def __init__(self, tensor: Tensor | None, array: Any) -> None:
+        self._tensor = tensor
+        self._array = array if isinstance(array, np.ndarray) else None
+        if tensor is not None:
+            tensor._inflight += 1
+        if self._array is not None:
+            key = id(self._array)
+            with _lock:
+                entry = _locked.get(key)
+                if entry is None:
+                    _locked[key] = [self._array, 1, self._array.flags.writeable]
+                    self._array.flags.writeable = False
+                else:
+                    entry[1] += 1
+
+    def release(self) -> None:
+        """Lift this protection (idempotent)."""
+        tensor, self._tensor = self._tensor, None
+        if tensor is not None:
+            tensor._inflight -= 1
+        array, self._array = self._array, None
+        if array is not None:
+            key = id(array)
+            with _lock:
+                entry = _locked[key]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _locked[key]
+                    if entry[2]:
+                        array.flags.writeable = True

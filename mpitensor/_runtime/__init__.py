@@ -1,0 +1,1 @@
+"""Contexts and groups, the engine (checks, ordering, waiting), diagnosis, progress, fail-fast."""

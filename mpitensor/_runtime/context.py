@@ -1,0 +1,556 @@
+"""`DistributedContext`: the ranks and devices, their communicators, and what is in flight.
+
+A context spans a group of ranks (all of ``MPI_COMM_WORLD`` by default). It talks on its
+own duplicates of the world communicator, so its messages never mix with the program's
+own MPI traffic. Collectives on a subset of the ranks get a sub-communicator created once,
+over that subset only (``MPI_Comm_create_group``: ranks outside take no part), and cached.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+from .._core import mpi as _mpi
+from .._core import state as _state
+from .._core.config import DistributedConfig
+from .._core.device import Device, choose_device, local_rank_from_env
+from .._core.errors import CollectiveMismatchError, ContextBrokenError, ContextClosedError, DeviceError
+from .._core.mpi import MPI
+from .._core.pool import HostPool
+from . import failfast as _failfast
+from .check import CLOSE_KIND, Record
+from .diagnosis import Diagnosis
+from .engine import Engine, Group
+from .progress import ProgressThread
+
+__all__ = ["DevicesArg", "DistributedContext", "current_context"]
+
+DevicesArg = Sequence[Device | int] | None
+
+_host_pool = HostPool()
+# Ops left in flight by contexts that an exception tore down: MPI may still write into
+# their buffers, so they are kept until the process ends.
+_abandoned: list[Any] = []
+
+
+class DistributedContext:
+    """The ranks and devices taking part in collectives, and everything they share.
+
+    Create it with `DistributedContext.init` (every participating rank calls it with the
+    same arguments); close it with `close()` or by leaving a ``with`` block.
+    """
+
+    def __init__(self, *, _private: object = None) -> None:
+        if _private is not _INIT_TOKEN:
+            raise TypeError("use DistributedContext.init(devices=None, config=None) to create a context")
+
+    # -- creation ------------------------------------------------------------------------
+
+    @classmethod
+    def init(cls, devices: DevicesArg = None, config: DistributedConfig | None = None) -> DistributedContext:
+        """Open a context over `devices` (every rank when None), initializing MPI if needed.
+
+        Every rank that takes part calls it with the same `devices`; ranks outside take no
+        part. The first context of a process initializes MPI (with
+        ``MPI_THREAD_MULTIPLE``) unless the program already did.
+
+        Args:
+            devices: the participating devices (one per rank) or world ranks; None for
+                every rank. A `Device` entry also chooses that rank's device.
+            config: the settings; `DistributedConfig()` when None.
+
+        Returns:
+            The open context; it is also the current context until closed.
+
+        Raises:
+            TypeError: `devices` or `config` has the wrong type.
+            ValueError: a rank is out of range, repeated, or this rank is not listed.
+            DeviceError: a GPU is asked for that this rank does not have.
+            MpiFinalizedError: MPI was finalized already in this process.
+        """
+        if config is None:
+            config = DistributedConfig()
+        if not isinstance(config, DistributedConfig):
+            raise TypeError(f"config must be a DistributedConfig, got {type(config).__name__}")
+        timeout = config.resolved_timeout()
+        thread_level = _mpi.ensure_initialized()
+        ctx = cls(_private=_INIT_TOKEN)
+        ctx._setup(devices, config, thread_level, timeout)
+        return ctx
+
+    def _setup(self, devices: DevicesArg, config: DistributedConfig, thread_level: int, timeout: float | None) -> None:
+        world = MPI.COMM_WORLD
+        world_rank, world_size = world.Get_rank(), world.Get_size()
+        members, chosen = _parse_init_devices(devices, world_rank, world_size)
+        self._config = config
+        self._timeout = timeout
+        self._thread_level = thread_level
+        self._closed = False
+        self._broken: str | None = None
+        self.owner_thread = threading.get_ident()  # the one thread that may call collectives
+        self.owner_thread_name = threading.current_thread().name
+        self._groups: dict[tuple[int, ...], Group] = {}
+        if len(members) == world_size:
+            comm = world.Dup()
+        else:
+            mpi_group = world.Get_group().Incl(list(members))
+            comm = world.Create_group(mpi_group, _tag_for(members))
+            mpi_group.Free()
+        self._comm = comm
+        self._rank = comm.Get_rank()
+        self._size = comm.Get_size()
+        self._world_ranks = members
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
+        self._local_comm = local
+        self._local_rank = local.Get_rank()
+        self._local_size = local.Get_size()
+        self._host = MPI.Get_processor_name() or socket.gethostname()
+        # A rank that cannot have its device must not leave the others waiting in the
+        # allgather: every rank learns of every failure and raises.
+        try:
+            device = _choose_device(chosen, config, self._local_rank, world_rank)
+            mine: tuple[Any, ...] = (device.kind, device.index, self._host, self._local_rank, None)
+        except DeviceError as exc:
+            mine = ("cpu", 0, self._host, self._local_rank, str(exc))
+        everyone = comm.allgather(mine)
+        failures = [(members[r], row[4]) for r, row in enumerate(everyone) if row[4] is not None]
+        if failures:
+            local.Free()
+            comm.Free()
+            own = mine[4]
+            others = "; ".join(f"rank {rank}: {reason}" for rank, reason in failures if rank != world_rank)
+            if own is not None:
+                raise DeviceError(own + (f" (and {others})" if others else ""))
+            raise DeviceError(f"DistributedContext.init failed on other ranks, which cannot have their device: "
+                              f"{others}")
+        self._devices = tuple(
+            Device(kind, index, members[r]) for r, (kind, index, _, _, _) in enumerate(everyone)
+        )
+        self._hosts = tuple(row[2] for row in everyone)
+        self._local_ranks = tuple(row[3] for row in everyone)
+        self._device = self._devices[self._rank]
+        self._cpu_device = self._device if device.kind == "cpu" else Device("cpu", 0, world_rank)
+        self._diag_comm = comm.Dup()
+        full = tuple(range(self._size))
+        self._full = Group(full, comm.Dup(), comm.Dup(), comm.Dup())
+        self._groups[full] = self._full
+        # Point-to-point messages travel apart from collectives and never queue behind them.
+        self._p2p = Group(full, comm.Dup(), MPI.COMM_NULL)
+        self._engine = Engine(self)
+        self._pool = _host_pool
+        self._diagnosis = Diagnosis(self) if config.check and self._size > 1 else None
+        if self._size > 1 and _progress_wanted(config, thread_level, self._spare_cores(), self._device.kind):
+            self._engine.progress_thread = ProgressThread(self._engine)
+        _state.push(self)
+        if config.fail_fast:
+            _failfast.arm()
+
+    # -- what the context is ---------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This rank's number in the context (0 .. size-1)."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """How many ranks take part."""
+        return self._size
+
+    @property
+    def device(self) -> Device:
+        """This rank's device."""
+        return self._device
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        """Every participating device, one per rank, in rank order."""
+        return self._devices
+
+    @property
+    def config(self) -> DistributedConfig:
+        """The settings."""
+        return self._config
+
+    @property
+    def timeout(self) -> float | None:
+        """The default timeout of `resolve()` in seconds (config or ``MPITENSOR_TIMEOUT``)."""
+        return self._timeout
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's number among the ranks of its node."""
+        return self._local_rank
+
+    @property
+    def local_size(self) -> int:
+        """How many ranks of the context share this node."""
+        return self._local_size
+
+    @property
+    def host(self) -> str:
+        """This rank's host name."""
+        return self._host
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """Every rank's host name, in rank order."""
+        return self._hosts
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """Every rank's node-local rank, in rank order."""
+        return self._local_ranks
+
+    @property
+    def comm(self) -> Any:
+        """The context's own MPI communicator (an ``mpi4py.MPI.Intracomm``)."""
+        self._ensure_open()
+        return self._comm
+
+    @property
+    def thread_level(self) -> str:
+        """The MPI thread level provided: single, funneled, serialized or multiple."""
+        return _mpi.thread_level_name(self._thread_level)
+
+    @property
+    def closed(self) -> bool:
+        """True after `close()`."""
+        return self._closed
+
+    @property
+    def broken(self) -> bool:
+        """True after a collective timed out (see `CollectiveTimeoutError`)."""
+        return self._broken is not None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self._broken else "open")
+        return f"DistributedContext(rank={self._rank}, size={self._size}, device={self._device}, {state})"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self) -> DistributedContext:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None or issubclass(exc_type, SystemExit):
+            # sys.exit() inside the block is a way of leaving, not a failure: close, so
+            # that peers still calling collectives are told this rank left.
+            self.close()
+        else:
+            self._leave_on_exception()
+
+    def close(self) -> None:
+        """Complete what is in flight, free the communicators, and finalize MPI if due.
+
+        MPI is finalized when this was the last open context and mpitensor initialized
+        MPI (unless finalization is deferred, see `defer_finalize`). Idempotent.
+
+        Raises:
+            CollectiveTimeoutError: the collectives in flight did not complete within the
+                context's timeout (the context is then broken and stays unclosed).
+        """
+        if self._closed:
+            return
+        if self._broken is None:
+            self._engine.drain(self._timeout)
+            if self._size > 1:
+                self._say_goodbye()
+        # A broken context keeps its communicators (a collective stuck on them is still in
+        # flight), but its progress thread has nothing left to do.
+        self._stop_progress()
+        if self._broken is None:
+            self._free()
+        self._closed = True
+        remaining = _state.pop(self)
+        if self._broken is None and _mpi.release(remaining):
+            _failfast.disarm_left_contexts()
+
+    def _say_goodbye(self) -> None:
+        """Close on every rank together, and tell peers still calling collectives that this rank left.
+
+        The close is a check of its own on the whole context: where a peer is in a
+        collective instead, the peer raises `CollectiveMismatchError` naming this rank
+        instead of waiting for it forever (and its context can run no more collectives).
+        """
+        record = Record(CLOSE_KIND, None, None, None, -1, self._full.members, per_rank=-(self._rank + 1))
+        op = self._engine.post_stand_in(CLOSE_KIND, self._full, record)
+        try:
+            self._engine.wait(op, self._timeout)
+        except CollectiveMismatchError:
+            pass  # peers were in a collective: they have been told
+
+    def _leave_on_exception(self) -> None:
+        """Close without waiting on peers: an exception is propagating."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_progress()
+        self._engine.progress()
+        if self._engine.busy():
+            _abandoned.append(self._engine)
+        else:
+            self._free()
+        _state.pop(self)
+        _failfast.note_left_by_exception()
+
+    def abort(self, errorcode: int = 1) -> None:
+        """End the whole job now (``MPI_Abort``): the way out of a broken context.
+
+        Args:
+            errorcode: the exit code the launcher reports.
+        """
+        sys.stdout.flush()
+        sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] mpitensor: ctx.abort({errorcode}) called\n")
+        sys.stderr.flush()
+        _failfast.release_job_files()
+        MPI.COMM_WORLD.Abort(errorcode)
+
+    def _spare_cores(self) -> int:
+        """Cores of this node that its ranks of the context may use, beyond one each."""
+        if hasattr(os, "sched_getaffinity"):
+            mine = sorted(os.sched_getaffinity(0))
+        else:
+            mine = list(range(os.cpu_count() or 1))
+        usable = set().union(*self._local_comm.allgather(mine))
+        return len(usable) - self._local_size
+
+    def _stop_progress(self) -> None:
+        thread = self._engine.progress_thread
+        if thread is not None:
+            thread.stop()
+
+    @property
+    def progress(self) -> bool:
+        """True if a progress thread drives communication while the program computes."""
+        return self._engine.progress_thread is not None
+
+    def _mpi_handles(self) -> list[Any]:
+        """Every communicator the context created (for checks that close() frees them)."""
+        comms = [self._diag_comm, self._local_comm, self._comm, self._p2p.comm]
+        for group in self._groups.values():
+            comms += [group.comm, group.check_comm, group.detail_comm]
+        return comms
+
+    def _free(self) -> None:
+        if self._diagnosis is not None:
+            self._diagnosis.free()
+        self._p2p.free()
+        for group in self._groups.values():
+            group.free()
+        self._groups.clear()
+        for comm in (self._diag_comm, self._local_comm, self._comm):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise ContextClosedError("this DistributedContext is closed; open a new one with DistributedContext.init()")
+
+    def _ensure_usable(self) -> None:
+        self._ensure_open()
+        if self._broken is not None:
+            raise ContextBrokenError(f"this DistributedContext is broken: {self._broken}")
+
+    def _mark_broken(self, reason: str) -> None:
+        if self._broken is None:
+            self._broken = reason
+            _mpi.note_broken(reason.partition(":")[0])
+
+    def _diagnose_wait(self, op: Any, waited: float) -> None:
+        """Hook for the deadlock diagnosis while this rank waits (see `diagnosis`)."""
+        if self._diagnosis is not None:
+            self._diagnosis.on_wait(op, waited)
+
+    # -- groups -------------------------------------------------------------------------------
+
+    def _group(self, devices: DevicesArg, doing: str = "a collective") -> Group:
+        """The group `devices` name (the whole context when None), created on first use.
+
+        `doing` names the calling operation, for the group-mismatch diagnosis.
+
+        Raises:
+            TypeError: `devices` is not a sequence of Devices or ints.
+            ValueError: empty, repeated or out-of-range ranks, or this rank not a member.
+            DeviceError: a device that is not in this context.
+        """
+        if devices is None:
+            return self._full
+        members = self._members(devices)
+        group = self._groups.get(members)
+        if group is None:
+            group = self._create_group(members, doing)
+        return group
+
+    group_of = _group
+
+    def _members(self, devices: DevicesArg) -> tuple[int, ...]:
+        if isinstance(devices, (Device, int, str)) or not isinstance(devices, Sequence):
+            raise TypeError(
+                "devices must be a list of mpitensor.Device (from ctx.devices) or of ranks, "
+                f"or None for every rank; got {type(devices).__name__}"
+            )
+        ranks = []
+        for item in devices:
+            if isinstance(item, Device):
+                ranks.append(self._rank_of_device(item))
+            else:
+                try:
+                    rank = operator.index(item)
+                except TypeError:
+                    raise TypeError(f"devices must hold Devices or int ranks, got {type(item).__name__}") from None
+                if not 0 <= rank < self._size:
+                    raise ValueError(f"rank {rank} is out of range for a context of {self._size} ranks")
+                ranks.append(rank)
+        if not ranks:
+            raise ValueError("devices is empty: a collective needs at least one rank")
+        members = tuple(sorted(set(ranks)))
+        if len(members) != len(ranks):
+            raise ValueError(f"devices names a rank twice: {sorted(ranks)}")
+        if self._rank not in members:
+            raise ValueError(
+                f"this rank ({self._rank}) is not in the group {list(members)}: only the "
+                "members of a group call its collectives"
+            )
+        return members
+
+    def _rank_of_device(self, device: Device) -> int:
+        if device.rank is not None:
+            for rank, candidate in enumerate(self._devices):
+                if candidate == device:
+                    return rank
+        raise DeviceError(
+            f"device {device} is not in this context (its devices are "
+            f"{', '.join(str(d) for d in self._devices)}); pass devices from ctx.devices"
+        )
+
+    def _create_group(self, members: tuple[int, ...], doing: str) -> Group:
+        if self._diagnosis is not None:
+            self._diagnosis.before_create(members, doing)
+        mpi_group = self._comm.Get_group().Incl(list(members))
+        try:
+            comm = self._comm.Create_group(mpi_group, _tag_for(members))
+        finally:
+            mpi_group.Free()
+        group = Group(members, comm, comm.Dup(), comm.Dup())
+        self._groups[members] = group
+        return group
+
+    def group_count(self) -> int:
+        """How many groups (each with its communicators) the context has created."""
+        return len(self._groups)
+
+
+_INIT_TOKEN = object()
+
+
+def _progress_wanted(config: DistributedConfig, thread_level: int, spare_cores: int, kind: str) -> bool:
+    """Whether to run a progress thread.
+
+    The config decides; unset, ``MPITENSOR_PROGRESS`` does; unset too, the thread runs
+    where MPI provides ``MPI_THREAD_MULTIPLE`` and it can help: the node has a core to
+    spare beyond one per rank, or the rank computes on a GPU (its CPU then waits anyway).
+    Without a spare core the thread takes CPU time from the program's own compute, and
+    communication that is CPU copying cannot overlap it: it only costs.
+
+    Raises:
+        ValueError: the config asks for it but MPI does not provide the thread level.
+    """
+    multiple = thread_level == MPI.THREAD_MULTIPLE
+    wanted = config.progress
+    if wanted is None:
+        raw = os.environ.get("MPITENSOR_PROGRESS", "").strip()
+        wanted = raw not in ("0", "false", "no") if raw else multiple and (spare_cores > 0 or kind == "cuda")
+    if wanted and not multiple:
+        if config.progress:
+            raise ValueError(
+                "DistributedConfig(progress=True) needs MPI_THREAD_MULTIPLE, but MPI provides "
+                f"{_mpi.thread_level_name(thread_level)}; unset MPITENSOR_THREAD_LEVEL or use progress=False"
+            )
+        return False
+    return bool(wanted)
+
+
+def _tag_for(members: Sequence[int]) -> int:
+    return hash(tuple(members)) % 32749
+
+
+def _parse_init_devices(devices: DevicesArg, world_rank: int, world_size: int) -> tuple[tuple[int, ...], Device | None]:
+    if devices is None:
+        return tuple(range(world_size)), None
+    if isinstance(devices, (Device, int, str)) or not isinstance(devices, Sequence):
+        raise TypeError(f"devices must be a list of Devices or world ranks, or None; got {type(devices).__name__}")
+    ranks: list[int] = []
+    chosen = None
+    for item in devices:
+        if isinstance(item, Device):
+            if item.rank is None:
+                raise ValueError(f"device {item} has no rank: every Device passed to init must name its rank")
+            rank = item.rank
+            if rank == world_rank:
+                chosen = item
+        else:
+            try:
+                rank = operator.index(item)
+            except TypeError:
+                raise TypeError(f"devices must hold Devices or int ranks, got {type(item).__name__}") from None
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is out of range: MPI_COMM_WORLD has {world_size} ranks")
+        ranks.append(rank)
+    if not ranks:
+        raise ValueError("devices is empty: a context needs at least one rank")
+    members = tuple(sorted(set(ranks)))
+    if len(members) != len(ranks):
+        raise ValueError(f"devices names a rank twice: {sorted(ranks)}")
+    if world_rank not in members:
+        raise ValueError(
+            f"rank {world_rank} called DistributedContext.init with devices of ranks {list(members)}, "
+            "which do not include it; ranks outside a context do not call its init"
+        )
+    return members, chosen
+
+
+def _choose_device(chosen: Device | None, config: DistributedConfig, local_rank: int, world_rank: int) -> Device:
+    if chosen is not None:
+        device = choose_device(local_rank, world_rank, kind=chosen.kind, index=chosen.index)
+    else:
+        device = choose_device(local_rank, world_rank, kind=config.device)
+    if device.kind == "cuda":
+        from .._core.backend import require_cupy
+
+        require_cupy().cuda.Device(device.index).use()
+    return device
+
+
+def current_context() -> DistributedContext:
+    """The open context (the most recently opened one still open).
+
+    Raises:
+        NoContextError: no context is open.
+    """
+    return _state.current()
+
+
+def local_rank_env_check(ctx: DistributedContext) -> str | None:
+    """Compare the node-local rank MPI gives with the launcher's variable.
+
+    Returns:
+        None if they agree (or no variable is set), else a sentence saying how they differ.
+    """
+    found = local_rank_from_env()
+    if found is None or found[0] == ctx.local_rank:
+        return None
+    value, name = found
+    return f"{name}={value} but MPI's shared-memory split gives local rank {ctx.local_rank}"

@@ -1,0 +1,724 @@
+"""The engine that runs a context's collectives: checks, ordering, progress and waiting.
+
+Every collective becomes an `Op`. With the consistency check on, the op first posts a small
+non-blocking exchange on its group's *check* communicator; when that completes and agrees,
+it posts its data operation on the group's *data* communicator. Data operations must be
+posted in the same order on every rank, so each group keeps a FIFO of ops whose data is not
+posted yet, and only the head may post. Checks and data use different communicators, so an
+op whose check is late never reorders the data of the ops behind it.
+
+The engine holds every op until MPI is done with its buffers, whether or not anyone still
+holds its `CollectiveTensor`; that is what makes dropping a handle safe.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from .._core.errors import CollectiveTimeoutError, ContextBrokenError
+from .._core.mpi import MPI
+from .check import (
+    ABANDON,
+    ABANDONED_KIND,
+    CLOSE_KIND,
+    CLOSING,
+    FAILED_CALL,
+    Record,
+    decode_waiting,
+    departure_error,
+    mismatch_error,
+)
+
+if TYPE_CHECKING:
+    from .._core.protect import Protection
+    from .context import DistributedContext
+    from .progress import ProgressThread
+
+__all__ = ["Engine", "Group", "Op", "Stepper"]
+
+# Op states, in the order an op moves through them.
+CHECKING = 0  # the consistency check (or metadata exchange) is in flight
+QUEUED = 1  # agreed, waiting for the ops before it on the group to post
+POSTED = 2  # the data operation is in flight
+COMPLETE = 3  # MPI is done; the result is final
+FAILED = 4  # the check found a mismatch; nothing was sent
+
+_STATE_NAMES = ("checking", "queued", "posted", "complete", "failed")
+
+# Stages of a check: the agreement all-reduce on the check communicator; then, on the
+# detail communicator and only when needed, the per-rank values (all_gatherv's lengths),
+# or the sizes and then the bytes of every rank's full record (a mismatch).
+_AGREE, _PER_RANK, _DETAIL_SIZES, _DETAIL = 1, 2, 3, 4
+
+_REAP_AFTER = 64  # posted ops beyond which each new one reaps the oldest completed ones
+_MAX_POSTED = 512  # posted ops beyond which a new one waits for the oldest
+
+
+def _unpack_details(data: np.ndarray, sizes: list[int]) -> list[dict[str, Any]]:
+    details, offset = [], 0
+    for size in sizes:
+        details.append(pickle.loads(data[offset : offset + size].tobytes()))
+        offset += size
+    return details
+
+
+class Stepper(Protocol):
+    """An algorithm the engine drives in steps instead of waiting on MPI requests."""
+
+    def advance(self) -> bool:
+        """Do whatever can be done now without blocking; True once finished."""
+
+
+class Group:
+    """One group of ranks of a context, with its communicators and its queue of ops.
+
+    Args:
+        members: the members' context ranks, sorted.
+        comm: the communicator data travels on.
+        check_comm: the communicator checks travel on (a duplicate of `comm`).
+        detail_comm: the communicator that gathers the full records of a failed check
+            (another duplicate, so that those gathers, posted only on a mismatch, never
+            interleave with the checks of later calls).
+    """
+
+    __slots__ = ("check_comm", "check_seq", "comm", "detail_comm", "extra", "members", "queue", "rank", "size")
+
+    def __init__(self, members: tuple[int, ...], comm: Any, check_comm: Any, detail_comm: Any = None) -> None:
+        self.members = members
+        self.comm = comm
+        self.check_comm = check_comm
+        self.detail_comm = detail_comm if detail_comm is not None else MPI.COMM_NULL
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.queue: deque[Op] = deque()
+        self.check_seq = 0  # checks posted on check_comm so far
+        self.extra: dict[str, Any] = {}  # per-group caches of the fast paths
+
+    def describe(self) -> str:
+        """The members as text, e.g. ``[0, 1, 2]``."""
+        return str(list(self.members))
+
+    def free(self) -> None:
+        """Free the group's communicators (idempotent)."""
+        for resource in self.extra.values():
+            free = getattr(resource, "free", None)
+            if free is not None:
+                free()
+        self.extra.clear()
+        for name in ("detail_comm", "check_comm", "comm"):
+            comm = getattr(self, name)
+            if comm is not None and comm != MPI.COMM_NULL:
+                comm.Free()
+
+
+class Op:
+    """One collective: its buffers, requests and result.
+
+    Args:
+        name: the operation, for messages (``"all_reduce"``).
+        group: the group it runs on.
+        nbytes: bytes of its input, for messages.
+        post: starts the data operation(s); returns their MPI requests, or a `Stepper`
+            for an algorithm the engine drives step by step (the shared-memory path).
+        finish: turns the completed buffers into the result (MEAN division, ...).
+        record: what this rank says about the call, or None to skip the check.
+        keep: objects (buffers) to keep alive until MPI is done.
+        protections: inputs and outputs to protect from writes until MPI is done.
+        exchange: learn every rank's `Record.per_rank` before posting (``all_gather``
+            needs every rank's length); `post` then receives them, in group order.
+        compare: compare the records (the consistency check); with `exchange` alone the
+            per-rank values are only exchanged.
+    """
+
+    __slots__ = (
+        "check_recv",
+        "check_req",
+        "check_send",
+        "check_sizes",
+        "check_stage",
+        "compare",
+        "error",
+        "exchange",
+        "finish",
+        "gathered",
+        "group",
+        "keep",
+        "name",
+        "nbytes",
+        "post",
+        "protections",
+        "record",
+        "requests",
+        "result",
+        "seq",
+        "state",
+        "stepper",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        group: Group,
+        nbytes: int,
+        post: Callable[..., list[Any]],
+        finish: Callable[[], Any] | None = None,
+        record: Record | None = None,
+        keep: tuple[Any, ...] = (),
+        protections: tuple[Protection, ...] = (),
+        exchange: bool = False,
+        compare: bool = True,
+    ) -> None:
+        self.name = name
+        self.group = group
+        self.nbytes = nbytes
+        self.post = post
+        self.finish = finish
+        self.record = record
+        self.keep = keep
+        self.protections = protections
+        self.exchange = exchange
+        self.compare = compare and record is not None
+        self.requests: list[Any] = []
+        self.stepper: Stepper | None = None
+        self.state = QUEUED
+        self.result: Any = None
+        self.error: BaseException | None = None
+        # check_req, check_send, check_recv, check_stage, seq and gathered are set when
+        # the check is posted: most ops (no check, or a small unchecked all-reduce) never
+        # need them, and every assignment costs on the path of the smallest messages.
+
+    def describe(self) -> str:
+        """The op for messages: name, size and group."""
+        return f"{self.name} of {_size_text(self.nbytes)} on group {self.group.describe()}"
+
+    @property
+    def state_name(self) -> str:
+        """The state as a word."""
+        return _STATE_NAMES[self.state]
+
+
+def _size_text(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+class Engine:
+    """Runs the ops of one context.
+
+    Args:
+        ctx: the context (for its groups, config and broken state).
+    """
+
+    def __init__(self, ctx: DistributedContext) -> None:
+        self.ctx = ctx
+        self.lock = threading.RLock()
+        self.posted: list[Op] = []  # ops whose data is in flight
+        self.waiting_groups: set[Group] = set()  # groups with a non-empty queue
+        self.stepping = 0  # posted ops driven by steps rather than by MPI alone
+        self.checks_posted = 0  # on every group, for the failed turns of `_entry`
+        self.progress_thread: ProgressThread | None = None
+
+    # -- starting ----------------------------------------------------------------------
+
+    def submit(self, op: Op, grace: float | None = None) -> None:
+        """Start `op`: post its check (or its data, when nothing must come first).
+
+        Waits up to `grace` seconds (the context's ``check_grace`` when None) for the
+        check, so that a mismatch is usually raised here, by the call that caused it.
+
+        Raises:
+            CollectiveMismatchError: the check completed within the grace and disagreed.
+        """
+        ctx = self.ctx
+        if ctx._broken is not None or ctx._closed:
+            ctx._ensure_usable()
+        group = op.group
+        with self.lock:
+            if op.record is None and not group.queue:
+                self._post_data(op)
+                return
+            try:
+                if op.record is not None:
+                    self._post_check(op)
+                else:
+                    op.state = QUEUED
+                group.queue.append(op)
+                self.waiting_groups.add(group)
+                self._pump(group)
+            except MPI.Exception as exc:
+                raise self.mpi_failed(exc, op) from exc
+        if op.state == CHECKING:
+            self._wait_check(op, self.ctx.config.check_grace if grace is None else grace)
+        if op.state == FAILED:
+            assert op.error is not None
+            raise op.error
+
+    def post_direct(self, op: Op, start: Callable[..., Any], *args: Any) -> None:
+        """Start an unchecked op with one request, the shortest way: ``start(*args)``.
+
+        Falls back to `submit` when the op's group has ops queued (data must be posted in
+        call order); the op's own `post` is not used.
+
+        Raises:
+            ContextBrokenError: MPI refused to start it (the context is then broken).
+        """
+        ctx = self.ctx
+        if ctx._broken is not None or ctx._closed:
+            ctx._ensure_usable()
+        with self.lock:
+            direct = not op.group.queue
+            if direct:
+                try:
+                    op.requests = [start(*args)]
+                except MPI.Exception as exc:
+                    raise self.mpi_failed(exc, op) from exc
+                op.state = POSTED
+                self.posted.append(op)
+                if len(self.posted) > _REAP_AFTER:
+                    self._reap_oldest()
+        if not direct:
+            op.post = lambda: [start(*args)]
+            self.submit(op)
+        elif len(self.posted) > _MAX_POSTED:
+            self._hold_back()
+
+    def _post_check(self, op: Op) -> None:
+        group = op.group
+        op.state = CHECKING
+        op.seq = group.check_seq
+        group.check_seq += 1
+        self.checks_posted += 1
+        record = op.record
+        assert record is not None
+        # Every check has this one shape, whatever the collective, so that two different
+        # collectives meet as a mismatch rather than as mismatched MPI calls.
+        value = record.check_value() if op.compare else 0
+        per_rank = record.per_rank
+        op.check_send = np.array([value, -value, per_rank, -per_rank], np.int64)
+        op.check_recv = np.empty(4, np.int64)
+        op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
+        op.check_stage = _AGREE
+
+    def _advance_check(self, op: Op) -> bool:
+        """Move `op`'s check along; True once it has passed (or failed)."""
+        if op.state != CHECKING:
+            return True
+        if not op.check_req.Test():
+            return False
+        group = op.group
+        stage = op.check_stage
+        received = op.check_recv
+        if stage == _AGREE:
+            low, high = int(received[0]), -int(received[1])
+            if low == CLOSING and high != CLOSING:
+                self._met_departure(op, -int(received[2]) - 1)
+                return True
+            if low != high or low == ABANDON:
+                self._gather_detail_sizes(op)
+                return False
+            if low == FAILED_CALL:  # every rank's call failed on that rank, and each raised there
+                self._fail(op)
+                return True
+            shortest, longest = int(received[2]), -int(received[3])
+            if op.exchange and shortest != longest:
+                # The per-rank values differ (all_gatherv's lengths): gather them. Posted on
+                # the detail communicator, in call order, like every later stage.
+                op.check_send = np.array([op.record.per_rank], np.int64)
+                op.check_recv = np.empty(group.size, np.int64)
+                op.check_req = group.detail_comm.Iallgather(op.check_send, op.check_recv)
+                op.check_stage = _PER_RANK
+                return False
+            op.gathered = [shortest] * group.size
+        elif stage == _PER_RANK:
+            op.gathered = [int(v) for v in received]
+        elif stage == _DETAIL_SIZES:
+            sizes = [int(v) for v in received]
+            op.check_recv = np.empty(sum(sizes), np.uint8)
+            displacements = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+            op.check_req = group.detail_comm.Iallgatherv(
+                [op.check_send, MPI.BYTE], [op.check_recv, sizes, displacements, MPI.BYTE]
+            )
+            op.check_sizes = sizes
+            op.check_stage = _DETAIL
+            return False
+        else:
+            details = _unpack_details(received, op.check_sizes)
+            op.error = mismatch_error(details, group.members)
+            self._fail(op)
+            self._answer_abandoners(op, details)
+            return True
+        self._check_passed(op)
+        return True
+
+    def _met_departure(self, op: Op, departed: int) -> None:
+        """Some rank closed the context while others called `op`: every member learns it here.
+
+        No further exchange: the departed rank would not answer it. The context can run
+        no more collectives (a later close skips its own check).
+        """
+        error = departure_error(departed, op.group.members, op.name)
+        if op.name != CLOSE_KIND:  # the closing rank itself goes on closing
+            self.ctx._mark_broken(str(error))
+        op.error = error
+        self._fail(op)
+
+    def _gather_detail_sizes(self, op: Op) -> None:
+        """The ranks disagree: exchange the full records to say exactly what differs."""
+        assert op.record is not None
+        payload = pickle.dumps(op.record.detail(), protocol=pickle.HIGHEST_PROTOCOL)
+        op.check_send = np.frombuffer(payload, np.uint8)
+        size = np.array([len(payload)], np.int64)
+        op.check_recv = np.empty(op.group.size, np.int64)
+        op.check_req = op.group.detail_comm.Iallgather(size, op.check_recv)
+        op.check_sizes = size  # kept alive until the gather completes
+        op.check_stage = _DETAIL_SIZES
+
+    def _answer_abandoners(self, op: Op, details: list[dict[str, Any]]) -> None:
+        """Members that abandoned this check are stuck elsewhere waiting for this rank."""
+        diagnosis = self.ctx._diagnosis
+        if diagnosis is None or op.record is None or op.record.kind == ABANDONED_KIND:
+            return
+        from .diagnosis import Wait
+
+        mine = Wait(op.group.members, op.seq, False, op.name)
+        for member, detail in zip(op.group.members, details):
+            waiting = decode_waiting(detail)
+            if waiting is not None:
+                diagnosis.answer(member, waiting, mine)
+
+    def _check_passed(self, op: Op) -> None:
+        op.state = QUEUED
+        op.check_req = None
+
+    def _fail(self, op: Op) -> None:
+        op.state = FAILED
+        op.check_req = None
+        self._release(op)
+
+    def _post_data(self, op: Op) -> None:
+        try:
+            started = op.post(op.gathered) if op.exchange else op.post()
+        except MPI.Exception as exc:
+            message = f"MPI failed to start {op.describe()}: {exc}"
+            self.ctx._mark_broken(message)
+            op.error = ContextBrokenError(message)
+            self._fail(op)
+            return
+        except BaseException as exc:
+            op.error = exc
+            self._fail(op)
+            return
+        if isinstance(started, list):
+            op.requests = started
+        else:
+            op.stepper = started
+            self.stepping += 1
+        if op.requests or op.stepper is not None:
+            op.state = POSTED
+            self.posted.append(op)
+            if len(self.posted) > _REAP_AFTER:
+                self._reap_oldest()
+            if self.progress_thread is not None:
+                self.progress_thread.wake(op.nbytes)
+        else:
+            self._complete(op)
+
+    def _pump(self, group: Group) -> None:
+        """Post the data of the ops at the head of `group`'s queue that may go.
+
+        Checks are examined strictly in call order: a failed check posts a gather of the
+        full records, and every member must post those gathers in the same order.
+        """
+        queue = group.queue
+        while queue:
+            head = queue[0]
+            if head.state == CHECKING and not self._advance_check(head):
+                break
+            queue.popleft()
+            if head.state == QUEUED:
+                self._post_data(head)
+        if not queue:
+            self.waiting_groups.discard(group)
+
+    # -- progress and completion ---------------------------------------------------------
+
+    def progress(self) -> None:
+        """Advance everything in flight without blocking.
+
+        Raises:
+            ContextBrokenError: MPI reported an error (the context is then broken).
+        """
+        with self.lock:
+            try:
+                for group in list(self.waiting_groups):
+                    self._pump(group)
+                if self.posted:
+                    self._reap()
+            except MPI.Exception as exc:
+                raise self.mpi_failed(exc, None) from exc
+
+    def _reap(self) -> None:
+        """Complete the posted ops that MPI is done with (call with the lock held)."""
+        still = []
+        for op in self.posted:
+            if op.stepper.advance() if op.stepper is not None else MPI.Request.Testall(op.requests):
+                self._complete(op)
+            else:
+                still.append(op)
+        self.posted = still
+
+    def _reap_oldest(self) -> None:
+        """Complete the oldest posted ops that MPI is done with (call with the lock held).
+
+        Called as ops are posted while many are in flight (handles dropped unresolved, as
+        in fire-and-forget logging): each call drives MPI's progress once, and the
+        completed ops give their buffers back to the pool. A rank that runs more than
+        `_MAX_POSTED` ops ahead waits for its oldest (`_hold_back`), which bounds the
+        memory they hold.
+        """
+        posted = self.posted
+        while posted:
+            op = posted[0]
+            if op.stepper is not None or not MPI.Request.Testall(op.requests):
+                return
+            del posted[0]
+            self._complete(op)
+
+    def _hold_back(self) -> None:
+        """Wait for the oldest posted op while more than `_MAX_POSTED` are in flight."""
+        while len(self.posted) > _MAX_POSTED:
+            self.wait(self.posted[0], self.ctx.timeout)
+
+    def mpi_failed(self, exc: BaseException, op: Op | None, what: str = "a collective in flight") -> ContextBrokenError:
+        """The error for an MPI failure inside `op` (or in `what`), breaking the context.
+
+        Args:
+            exc: MPI's exception.
+            op: the op it happened in, if known.
+            what: what was running otherwise.
+
+        Returns:
+            The `ContextBrokenError` to raise.
+        """
+        if op is not None:
+            what = op.describe()
+        message = f"MPI failed in {what} on rank {self.ctx.rank}: {exc}"
+        self.ctx._mark_broken(message)
+        return ContextBrokenError(message)
+
+    def _complete(self, op: Op) -> None:
+        op.requests = []
+        if op.stepper is not None:
+            op.stepper = None
+            self.stepping -= 1
+        if op.protections:
+            self._release(op)
+        else:
+            op.keep = ()
+        try:
+            op.result = op.finish() if op.finish is not None else None
+        except BaseException as exc:
+            op.error = exc
+            op.state = FAILED
+            return
+        op.state = COMPLETE
+
+    def _release(self, op: Op) -> None:
+        protections, op.protections = op.protections, ()
+        for protection in protections:
+            protection.release()
+        op.keep = ()
+
+    def post_abandon(self, group: Group, record: Record) -> None:
+        """Post a check that stands in for a collective this rank will never call.
+
+        The diagnosis uses it when a peer waits on `group` for this rank, which waits for
+        that peer elsewhere: the check completes as a mismatch on every member, and the
+        group's sequence of checks stays aligned.
+        """
+        # Not pumped here: the diagnosis posts it while the engine examines checks.
+        self.post_stand_in("abandoned", group, record, pump=False)
+
+    def post_stand_in(self, name: str, group: Group, record: Record, pump: bool = True) -> Op:
+        """Post a check for a call that moves no data: it only tells the peers `record`.
+
+        Used for a call that failed on this rank (`Record.failure`), an abandoned check,
+        and the context's close; the returned op completes (or fails) like any other.
+        """
+        op = Op(name, group, 0, lambda: [], record=record)
+        with self.lock:
+            try:
+                self._post_check(op)
+                group.queue.append(op)
+                self.waiting_groups.add(group)
+                if pump:
+                    self._pump(group)
+            except MPI.Exception as exc:
+                raise self.mpi_failed(exc, op) from exc
+        return op
+
+    def protect_outputs(self, op: Op, value: Any) -> None:
+        """Make `value`'s tensors refuse writes until `op` completes (for assume_resolved)."""
+        from .._core.protect import Protection
+        from .._core.tensor import Tensor
+
+        with self.lock:
+            if op.state >= COMPLETE:
+                return
+            leaves = value.values() if isinstance(value, dict) else value
+            if isinstance(value, Tensor) or value is None:
+                leaves = [value]
+            added = tuple(Protection(t, t._array) for t in leaves if isinstance(t, Tensor) and not t.in_flight)
+            op.protections = (*op.protections, *added)
+
+    def busy(self) -> bool:
+        """True if anything is in flight or queued."""
+        return bool(self.posted or self.waiting_groups)
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    def wait(self, op: Op, timeout: float | None) -> None:
+        """Block until `op` is complete or failed.
+
+        Raises:
+            CollectiveTimeoutError: `timeout` seconds passed first (the context is then
+                broken).
+            The op's error, if it failed.
+        """
+        if op.state < COMPLETE:
+            if op.state == POSTED and timeout is None and not self.waiting_groups and not self.stepping:
+                # Nothing is queued anywhere and no step-driven op is in flight, so no peer
+                # waits for this rank to post or to step: a blocking wait inside MPI (which
+                # progresses every MPI request) is safe, and the fastest.
+                with self.lock:
+                    if op.state == POSTED and not self.waiting_groups:
+                        requests = op.requests
+                        try:
+                            if len(requests) == 1:
+                                requests[0].Wait()
+                            else:
+                                MPI.Request.Waitall(requests)
+                        except MPI.Exception as exc:
+                            raise self.mpi_failed(exc, op) from exc
+                        self.posted.remove(op)
+                        if op.finish is None and not op.protections:
+                            # What _complete does for the plain case, inlined: this is
+                            # the end of every small all-reduce.
+                            op.requests = []
+                            op.keep = ()
+                            op.state = COMPLETE
+                        else:
+                            self._complete(op)
+            if op.state < COMPLETE:
+                self._poll_until(lambda: op.state >= COMPLETE, timeout, op)
+        if op.state == FAILED:
+            assert op.error is not None
+            raise op.error
+
+    def wait_posted(self, op: Op, timeout: float | None) -> None:
+        """Block until `op`'s data is posted (or it completed or failed)."""
+        if op.state < POSTED:
+            self._poll_until(lambda: op.state >= POSTED, timeout, op)
+
+    def _wait_check(self, op: Op, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        backoff = _Backoff()
+        group = op.group
+        while op.state == CHECKING:
+            with self.lock:
+                if group.queue and group.queue[0] is op:
+                    try:
+                        self._pump(group)  # the usual case: only this group has work to do
+                    except MPI.Exception as exc:
+                        raise self.mpi_failed(exc, op) from exc
+                else:
+                    self.progress()
+            if op.state != CHECKING or time.monotonic() >= deadline:
+                return
+            backoff.pause()
+
+    def drain(self, timeout: float | None) -> None:
+        """Block until nothing is in flight (used by close()).
+
+        Raises:
+            CollectiveTimeoutError: `timeout` passed first.
+        """
+        self._poll_until(lambda: not self.busy(), timeout, None)
+
+    def _poll_until(self, done: Callable[[], bool], timeout: float | None, op: Op | None) -> None:
+        thread = self.progress_thread
+        if thread is not None and thread.error is not None:
+            message = f"the progress thread failed: {thread.error!r}"
+            self.ctx._mark_broken(message)
+            raise ContextBrokenError(message) from thread.error
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        backoff = _Backoff()
+        while True:
+            self.progress()
+            if done():
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                self._timed_out(op, timeout, now - start)
+            try:
+                self.ctx._diagnose_wait(op, now - start)
+            except MPI.Exception as exc:
+                raise self.mpi_failed(exc, op, "the group-mismatch diagnosis") from exc
+            backoff.pause()
+
+    def _timed_out(self, op: Op | None, timeout: float | None, waited: float) -> None:
+        if op is not None:
+            what = op.describe()
+            stage = "its consistency check" if op.state == CHECKING else f"the data ({op.state_name})"
+        else:
+            pending = list(self.posted) + [o for g in self.waiting_groups for o in g.queue]
+            what = ", ".join(o.describe() for o in pending[:4]) or "nothing"
+            stage = "close()"
+        message = (
+            f"{what} did not complete within {timeout:g} s (waited {waited:.1f} s in {stage}): "
+            "some rank of the group has not called it, or is stuck. MPI cannot cancel a "
+            "started collective, so this context is now broken: further use raises "
+            "ContextBrokenError; call ctx.abort() to end the job."
+        )
+        self.ctx._mark_broken(message)
+        raise CollectiveTimeoutError(message)
+
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+class _Backoff:
+    """Spin briefly, then yield, then sleep in short pauses.
+
+    Waiting ranks leave the CPU to others this way: with more ranks than cores, the peer a
+    rank waits for may need its core. Pauses stay short (at most 100 us), since what a rank
+    waits for usually arrives within microseconds once its peers run.
+    """
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def pause(self) -> None:
+        self.count += 1
+        if self.count < 50:
+            return
+        if self.count < 5000:
+            # Not time.sleep(0), which sleeps a timer slack (50 us or more): a yield costs
+            # a microsecond when nobody else wants the core.
+            _yield()
+            return
+        time.sleep(min(1e-4, 1e-6 * (self.count - 4990)))
+

@@ -1,0 +1,90 @@
+"""Fail-fast: an exception that escapes on one rank ends the whole job.
+
+Without it, one rank's uncaught exception leaves the other ranks waiting forever in a
+collective. While a context is open (or one was left by an exception), mpitensor's
+``sys.excepthook`` prints the traceback once, each line prefixed with the rank, and calls
+``MPI_Abort`` on ``MPI_COMM_WORLD``, which makes the launcher end every rank with a
+non-zero exit. Before that it unlinks the MPI library's files of the job that it can name
+(`release_job_files`), which MPICH removes only when a job ends normally.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from types import TracebackType
+
+from .._core import shm_cleanup as _shm_cleanup
+from .._core import state as _state
+from .._core.mpi import MPI
+
+__all__ = ["arm", "disarm_left_contexts", "note_left_by_exception", "release_job_files"]
+
+_previous_hook = None
+_left_by_exception = 0
+
+
+def arm() -> None:
+    """Install the hook (once per process)."""
+    global _previous_hook
+    if _previous_hook is None:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def note_left_by_exception() -> None:
+    """A context was left by an exception: keep aborting on uncaught exceptions."""
+    global _left_by_exception
+    _left_by_exception += 1
+
+
+def disarm_left_contexts() -> None:
+    """Forget contexts left by exceptions (after MPI was finalized cleanly)."""
+    global _left_by_exception
+    _left_by_exception = 0
+
+
+def release_job_files() -> None:
+    """Unlink this job's MPI shared-memory files: call it just before ``MPI_Abort``.
+
+    MPICH removes ``/dev/shm/mpich_shm_*`` (and Hydra its topology file) only when the job
+    ends normally; after ``MPI_Abort`` they would keep their memory until someone removes
+    them or the machine restarts. The files this rank maps or holds open, and its Hydra
+    proxy's topology file, are unlinked (the other ranks' mappings stay valid while the job
+    ends). Never raises.
+    """
+    _shm_cleanup.unlink_job_files()
+
+
+def _armed() -> bool:
+    if not (_state.open_count() or _left_by_exception):
+        return False
+    return bool(MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1)
+
+
+def _excepthook(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
+    if not _armed():
+        (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
+        return
+    rank = MPI.COMM_WORLD.Get_rank()
+    size = MPI.COMM_WORLD.Get_size()
+    prefix = f"[rank {rank}] "
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    lines = [prefix + line for line in text.rstrip("\n").split("\n")]
+    lines.append(
+        f"{prefix}mpitensor: uncaught {exc_type.__name__} on rank {rank} of {size}; "
+        "aborting the job (MPI_Abort) so that the other ranks do not wait forever"
+    )
+    try:
+        release_job_files()
+        sys.stderr.write("\n".join(lines) + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        # MPICH's Hydra kills every rank as soon as one aborts; give its proxy a moment to
+        # forward what this rank just wrote, which it otherwise loses now and then.
+        time.sleep(0.2)
+    finally:
+        MPI.COMM_WORLD.Abort(1)

@@ -1,0 +1,1 @@
+"""Tools on top of the public API: the `python -m mpitensor info` table."""

@@ -1,0 +1,1 @@
+"""GPU transports: pinned staging buffers and CUDA-aware detection."""
