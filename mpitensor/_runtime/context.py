@@ -317,6 +317,9 @@ class DistributedContext:
         sys.stderr.flush()
         _failfast.release_job_files()
         MPI.COMM_WORLD.Abort(errorcode)
+        # MPI_Abort may return before the launcher ends this process (seen with MPICH on a
+        # loaded machine): the program must not go on either way.
+        os._exit(errorcode)
 
     def _spare_cores(self) -> int:
         """Cores of this node that its ranks of the context may use, beyond one each."""

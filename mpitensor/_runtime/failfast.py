@@ -10,6 +10,7 @@ non-zero exit. Before that it unlinks the MPI library's files of the job that it
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -88,3 +89,4 @@ def _excepthook(
         time.sleep(0.2)
     finally:
         MPI.COMM_WORLD.Abort(1)
+        os._exit(1)  # MPI_Abort may return before the launcher ends this process
