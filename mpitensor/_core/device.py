@@ -219,6 +219,21 @@ def plan_device(
     if kind == "cpu":
         return "cpu", 0
     who = "this rank" if rank is None else f"rank {rank}"
+    _require_gpu(who, index, visible_gpus, cupy_installed, reason, environ)
+    if index is None:
+        return "cuda", local_rank % visible_gpus
+    return "cuda", _given_gpu(who, index, visible_gpus, environ)
+
+
+def _require_gpu(
+    who: str,
+    index: int | None,
+    visible_gpus: int,
+    cupy_installed: bool,
+    reason: str | None,
+    environ: dict[str, str] | None,
+) -> None:
+    """Raise `DeviceError` when a GPU was asked for and CuPy is missing or no GPU is visible."""
     asked = "a CUDA device" if index is None else f"device cuda:{index}"
     if not cupy_installed:
         raise DeviceError(
@@ -233,8 +248,15 @@ def plan_device(
             f"{_visible_devices_note(environ)}. Check the job's GPU allocation, or run on the "
             "CPU with DistributedConfig(device='cpu')"
         )
-    if index is None:
-        return "cuda", local_rank % visible_gpus
+
+
+def _given_gpu(who: str, index: int, visible_gpus: int, environ: dict[str, str] | None) -> int:
+    """`index`, the GPU a rank was given, once it is known to exist among the visible ones.
+
+    Raises:
+        ValueError: `index` is negative.
+        DeviceError: `index` is not below `visible_gpus`.
+    """
     if index < 0:
         raise ValueError(f"GPU index must be >= 0, got {index}")
     if index >= visible_gpus:
@@ -242,7 +264,7 @@ def plan_device(
             f"{who} was given device cuda:{index}, but it sees {visible_gpus} CUDA GPU(s), "
             f"cuda:0 to cuda:{visible_gpus - 1} ({_visible_devices_note(environ)})"
         )
-    return "cuda", index
+    return index
 
 
 def choose_device(

@@ -54,77 +54,125 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args)
     if args.files:
         _parser().error("file arguments belong to 'report'")
+    return _bench(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run the benchmarks `args` names (on every rank); rank 0 prints and writes the results."""
     from .. import defer_finalize
     from .._core import mpi as _mpi
-    from ._common import format_size, load_average, machine, parse_size, parse_sizes, write_json, write_text
-    from .fused import format_fused, run_fused
-    from .overlap import format_overlap, plot_overlap, run_overlap
-    from .report import format_targets
-    from .sweep import VARIANTS, format_size_list, format_sweep, plot_sweep, run_sweep
+    from ._common import parse_sizes
+    from .sweep import VARIANTS
 
     if args.quick:
-        args.sizes = "8,64K,1M,16M" if args.sizes == "8:64M" else args.sizes
-        args.overlap_sizes = "1M,16M" if args.overlap_sizes == "64K:64M" else args.overlap_sizes
-        args.reps = min(args.reps, 3)
-        args.target = min(args.target, 0.01)
+        _shorten(args)
     sizes = parse_sizes(args.sizes)
     overlap_sizes = parse_sizes(args.overlap_sizes)
-    variants = VARIANTS if args.variants is None else tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    if args.no_gloo:
-        variants = tuple(v for v in variants if v != "gloo")
+    variants = _sweep_variants(args, VARIANTS)
 
     defer_finalize()  # each benchmark opens and closes contexts
     _mpi.ensure_initialized()
-    comm = _mpi.MPI.COMM_WORLD
-    rank, ranks = comm.Get_rank(), comm.Get_size()
-    vendor = _mpi.vendor()[0].lower().replace(" ", "")
-    name = args.name or f"{vendor}-np{ranks}"
+    out = _Output(args, _mpi.MPI.COMM_WORLD)
+    _run_families(args, out, sizes, overlap_sizes, variants)
+    out.finish()
+    return 0
 
-    def say(line: str) -> None:
-        if rank == 0:
-            print(line, flush=True)
 
-    info = machine(comm)
-    run: dict[str, Any] = {"name": name, "machine": info, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    say(f"mpitensor.bench: {info['mpi']}, {ranks} ranks on {', '.join(info['hosts'])} "
-        f"({info['cores']} cores, {info['cpu']}); results in {args.out}/{name}*")
-    written: list[str] = []
+def _shorten(args: argparse.Namespace) -> None:
+    """--quick: a few sizes (unless given), at most 3 rounds, short batches."""
+    args.sizes = "8,64K,1M,16M" if args.sizes == "8:64M" else args.sizes
+    args.overlap_sizes = "1M,16M" if args.overlap_sizes == "64K:64M" else args.overlap_sizes
+    args.reps = min(args.reps, 3)
+    args.target = min(args.target, 0.01)
 
-    def publish(kind: str, result: dict[str, Any], fmt: Callable[..., str],
-                plot: Callable[[dict[str, Any], str], bool] | None = None) -> None:
-        """Keep `result` in the run; on rank 0 print it and write <name>-<kind>.md (and .png)."""
-        run[kind] = result
-        if rank != 0:
-            return
-        print(fmt(result, markdown=False), flush=True)
-        stem = os.path.join(args.out, f"{name}-{kind}")
-        write_text(stem + ".md", fmt(result))
-        written.append(stem + ".md")
-        if plot is not None and not args.no_plot and plot(result, stem + ".png"):
-            written.append(stem + ".png")
 
+def _sweep_variants(args: argparse.Namespace, known: tuple[str, ...]) -> tuple[str, ...]:
+    """The sweep variants --variants names (default: `known`), without gloo under --no-gloo."""
+    variants = known if args.variants is None else tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if args.no_gloo:
+        variants = tuple(v for v in variants if v != "gloo")
+    return variants
+
+
+def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], overlap_sizes: list[int],
+                  variants: tuple[str, ...]) -> None:
+    """Run the benchmark families `args.command` selects, in order, and publish each result."""
+    from ._common import format_size, parse_size
+    from .fused import format_fused, run_fused
+    from .overlap import format_overlap, plot_overlap, run_overlap
+    from .sweep import format_size_list, format_sweep, plot_sweep, run_sweep
+
+    say = out.say
     if args.command in ("all", "sweep"):
         say(f"sweep: {format_size_list(sizes)}, variants {', '.join(variants)}")
         result = run_sweep(sizes, reps=args.reps, target=args.target, variants=variants, progress=say)
-        publish("sweep", result, format_sweep, plot_sweep)
+        out.publish("sweep", result, format_sweep, plot_sweep)
     if args.command in ("all", "overlap"):
         say(f"overlap: {format_size_list(overlap_sizes)}")
         result = run_overlap(overlap_sizes, reps=args.reps, target=args.target, progress=say)
-        publish("overlap", result, format_overlap, plot_overlap)
+        out.publish("overlap", result, format_overlap, plot_overlap)
     if args.command in ("all", "fused"):
         tensor_bytes = parse_size(args.tensor_bytes)
         say(f"fused: {args.count} tensors of {format_size(tensor_bytes)}")
         result = run_fused(args.count, tensor_bytes, reps=args.reps, target=args.target, progress=say)
-        publish("fused", result, format_fused)
-    if rank == 0:
-        run["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        info["load_after"] = load_average()
-        path = os.path.join(args.out, f"{name}.json")
-        write_json(path, run)
-        written.append(path)
-        print(format_targets([run]), flush=True)
-        print("wrote " + ", ".join(written), flush=True)
-    return 0
+        out.publish("fused", result, format_fused)
+
+
+class _Output:
+    """The run's record and files: every rank keeps the results, rank 0 prints and writes them.
+
+    Creating it gathers the machine's description (a collective call) and prints the banner.
+    """
+
+    def __init__(self, args: argparse.Namespace, comm: Any) -> None:
+        from .._core import mpi as _mpi
+        from ._common import machine
+
+        self.rank, ranks = comm.Get_rank(), comm.Get_size()
+        vendor = _mpi.vendor()[0].lower().replace(" ", "")
+        self.name = args.name or f"{vendor}-np{ranks}"
+        self.args = args
+        self.info = machine(comm)
+        self.run: dict[str, Any] = {"name": self.name, "machine": self.info,
+                                    "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        self.written: list[str] = []
+        self.say(f"mpitensor.bench: {self.info['mpi']}, {ranks} ranks on {', '.join(self.info['hosts'])} "
+                 f"({self.info['cores']} cores, {self.info['cpu']}); results in {args.out}/{self.name}*")
+
+    def say(self, line: str) -> None:
+        """Print `line` on rank 0."""
+        if self.rank == 0:
+            print(line, flush=True)
+
+    def publish(self, kind: str, result: dict[str, Any], fmt: Callable[..., str],
+                plot: Callable[[dict[str, Any], str], bool] | None = None) -> None:
+        """Keep `result` in the run; on rank 0 print it and write <name>-<kind>.md (and .png)."""
+        self.run[kind] = result
+        if self.rank != 0:
+            return
+        from ._common import write_text
+
+        print(fmt(result, markdown=False), flush=True)
+        stem = os.path.join(self.args.out, f"{self.name}-{kind}")
+        write_text(stem + ".md", fmt(result))
+        self.written.append(stem + ".md")
+        if plot is not None and not self.args.no_plot and plot(result, stem + ".png"):
+            self.written.append(stem + ".png")
+
+    def finish(self) -> None:
+        """On rank 0: write the run's JSON, print its targets and the files written."""
+        if self.rank != 0:
+            return
+        from ._common import load_average, write_json
+        from .report import format_targets
+
+        self.run["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        self.info["load_after"] = load_average()
+        path = os.path.join(self.args.out, f"{self.name}.json")
+        write_json(path, self.run)
+        self.written.append(path)
+        print(format_targets([self.run]), flush=True)
+        print("wrote " + ", ".join(self.written), flush=True)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -24,10 +24,12 @@ from .._core.mpi import MPI
 __all__ = [
     "Timing",
     "busbw_factor",
+    "check_variants",
     "format_size",
     "machine",
     "parse_size",
     "parse_sizes",
+    "round_done",
     "start_gloo",
     "stop_gloo",
     "write_json",
@@ -136,6 +138,19 @@ class Timing:
     def iterations(self, key: Any) -> int:
         """The calibrated batch size of `key` (0 if not yet timed)."""
         return self._iters.get(key, 0)
+
+
+def check_variants(variants: Sequence[str], known: Sequence[str]) -> None:
+    """Raise ValueError when `variants` names one that is not in `known`."""
+    unknown = sorted(set(variants) - set(known))
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; expected some of {list(known)}")
+
+
+def round_done(progress: Callable[[str], None] | None, comm: Any, family: str, rep: int, reps: int) -> None:
+    """Tell `progress` (on rank 0 only) that round `rep` of `family` is over."""
+    if progress is not None and comm.Get_rank() == 0:
+        progress(f"{family}: round {rep + 1}/{reps} done")
 
 
 def median(values: Sequence[float]) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import DistributedConfig, DistributedContext, all_reduce, from_numpy
 from .._core.mpi import MPI
-from ._common import Timing, format_size, markdown_table, median, ratio, text_table, us
+from ._common import Timing, format_size, markdown_table, median, ratio, round_done, text_table, us
 
 __all__ = ["format_fused", "run_fused"]
 
@@ -56,35 +56,15 @@ def run_fused(
     comm = MPI.COMM_WORLD.Dup()
     ranks = comm.Get_size()
     timing = Timing(comm, target, reps)
-    elements = max(1, tensor_bytes // 4)
-    arrays = [np.full(elements, float(i % 7), np.float32) for i in range(count)]
-    recvs = [np.empty_like(a) for a in arrays]
-    packed = np.concatenate(arrays)
-    packed_out = np.empty_like(packed)
-    tensors = [from_numpy(a.copy()) for a in arrays]
+    data = _Tensors(count, tensor_bytes)
     samples: dict[str, list[float]] = {name: [] for name in _LABELS}
     skipped: dict[str, str] = {}
     try:
         for rep in range(reps):
-            samples["raw_separate"].append(timing.batch("raw_separate", lambda: MPI.Request.Waitall(
-                [comm.Iallreduce(a, b, MPI.SUM) for a, b in zip(arrays, recvs)])))
-            samples["raw_packed"].append(timing.batch("raw_packed", lambda: comm.Iallreduce(
-                packed, packed_out, MPI.SUM).Wait()))
+            _time_raw(timing, comm, data, samples)
             for suffix, check in (("_checked", True), ("", False)):
-                with DistributedContext.init(config=DistributedConfig(check=check)):
-                    samples["separate" + suffix].append(timing.batch("separate" + suffix, lambda: [
-                        h.resolve() for h in [all_reduce(t) for t in tensors]]))
-                    name = "fused" + suffix
-                    if name in skipped:
-                        continue
-                    try:
-                        all_reduce(tensors).resolve()
-                    except TypeError as exc:
-                        skipped[name] = f"all_reduce rejects a list of tensors here ({exc})"
-                        continue
-                    samples[name].append(timing.batch(name, lambda: all_reduce(tensors).resolve()))
-            if progress is not None and comm.Get_rank() == 0:
-                progress(f"fused: round {rep + 1}/{reps} done")
+                _time_mt(timing, data.tensors, suffix, check, samples, skipped)
+            round_done(progress, comm, "fused", rep, reps)
     finally:
         comm.Free()
     return {
@@ -100,6 +80,47 @@ def run_fused(
         },
         "skipped": skipped,
     }
+
+
+class _Tensors:
+    """`count` float32 tensors of `tensor_bytes` each: as arrays, packed, and as mpitensor tensors."""
+
+    def __init__(self, count: int, tensor_bytes: int) -> None:
+        elements = max(1, tensor_bytes // 4)
+        self.arrays = [np.full(elements, float(i % 7), np.float32) for i in range(count)]
+        self.recvs = [np.empty_like(a) for a in self.arrays]
+        self.packed = np.concatenate(self.arrays)
+        self.packed_out = np.empty_like(self.packed)
+        self.tensors = [from_numpy(a.copy()) for a in self.arrays]
+
+
+def _time_raw(timing: Timing, comm: Any, data: _Tensors, samples: dict[str, list[float]]) -> None:
+    """Time one batch of each raw mpi4py reference: one Iallreduce per tensor, and one packed."""
+    arrays, recvs, packed, packed_out = data.arrays, data.recvs, data.packed, data.packed_out
+    samples["raw_separate"].append(timing.batch("raw_separate", lambda: MPI.Request.Waitall(
+        [comm.Iallreduce(a, b, MPI.SUM) for a, b in zip(arrays, recvs)])))
+    samples["raw_packed"].append(timing.batch("raw_packed", lambda: comm.Iallreduce(
+        packed, packed_out, MPI.SUM).Wait()))
+
+
+def _time_mt(timing: Timing, tensors: list[Any], suffix: str, check: bool, samples: dict[str, list[float]],
+             skipped: dict[str, str]) -> None:
+    """Time one all_reduce per tensor, then the fused all_reduce (unless skipped), check on or off.
+
+    A fused call that raises TypeError marks ``"fused" + suffix`` skipped, with the reason.
+    """
+    with DistributedContext.init(config=DistributedConfig(check=check)):
+        samples["separate" + suffix].append(timing.batch("separate" + suffix, lambda: [
+            h.resolve() for h in [all_reduce(t) for t in tensors]]))
+        name = "fused" + suffix
+        if name in skipped:
+            return
+        try:
+            all_reduce(tensors).resolve()
+        except TypeError as exc:
+            skipped[name] = f"all_reduce rejects a list of tensors here ({exc})"
+            return
+        samples[name].append(timing.batch(name, lambda: all_reduce(tensors).resolve()))
 
 
 def format_fused(result: dict[str, Any], markdown: bool = True) -> str:

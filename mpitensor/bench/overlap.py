@@ -23,7 +23,17 @@ import numpy as np
 
 from .. import DistributedConfig, DistributedContext, all_reduce, from_numpy
 from .._core.mpi import MPI
-from ._common import Timing, format_size, markdown_table, median, size_axis, text_table, us
+from ._common import (
+    Timing,
+    check_variants,
+    format_size,
+    markdown_table,
+    median,
+    round_done,
+    size_axis,
+    text_table,
+    us,
+)
 
 __all__ = ["LABELS", "VARIANTS", "format_overlap", "plot_overlap", "run_overlap"]
 
@@ -78,94 +88,126 @@ def run_overlap(
 
     Returns:
         ``{"kind": "overlap", "ranks", "sizes", "reps", "unit_s", "variants": {name:
-        {"label", "pure_s", "compute_s", "overall_s", "overlap_pct", "progress_thread"}}}``.
+        {"label", "pure_s", "compute_s", "overall_s", "overlap_pct", "progress_thread",
+        "config"}}}``.
     """
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        raise ValueError(f"unknown variants {unknown}; expected some of {list(VARIANTS)}")
+    check_variants(variants, VARIANTS)
     comm = MPI.COMM_WORLD.Dup()
     ranks = comm.Get_size()
     timing = Timing(comm, target, reps)
     kernel = _Compute()
     unit = median([timing.batch("unit", lambda: kernel.run(1), warmup=20) for _ in range(reps)])
-    sends = [np.ones(max(1, n // 4), np.float32) for n in sizes]
-    recvs = [np.empty_like(s) for s in sends]
-    tensors = [from_numpy(s.copy()) for s in sends]
-    pure: dict[str, list[list[float]]] = {v: [[] for _ in sizes] for v in variants}
-    overall: dict[str, list[list[float]]] = {v: [[] for _ in sizes] for v in variants}
-    compute: dict[str, list[list[float]]] = {v: [[] for _ in sizes] for v in variants}
-    units: dict[tuple[str, int], int] = {}
-    threads: dict[str, bool | None] = {}
+    state = _OverlapRun(comm, timing, kernel, unit, sizes, variants)
     try:
         for rep in range(reps):
             for variant in variants:
-                config = _CONFIGS.get(variant)
-                ctx = None if config is None else DistributedContext.init(config=config)
-                try:
-                    if ctx is not None:
-                        threads[variant] = _progress_thread_running(ctx)
-                    for index in range(len(sizes)):
-                        if ctx is None:
-                            send, recv = sends[index], recvs[index]
-
-                            def start(send: np.ndarray = send, recv: np.ndarray = recv) -> Any:
-                                return comm.Iallreduce(send, recv, MPI.SUM)
-
-                            def wait(request: Any) -> Any:
-                                return request.Wait()
-                        else:
-                            tensor = tensors[index]
-
-                            def start(tensor: Any = tensor) -> Any:
-                                return all_reduce(tensor)
-
-                            def wait(handle: Any) -> Any:
-                                return handle.resolve()
-
-                        key = (variant, index)
-                        t_pure = timing.batch(("pure", key), lambda start=start, wait=wait: wait(start()))
-                        pure[variant][index].append(t_pure)
-                        if key not in units:
-                            # Calibrated once, to the first round's communication time.
-                            units[key] = max(1, round(t_pure / unit))
-                        count = units[key]
-                        compute[variant][index].append(timing.batch(("compute", key), lambda c=count: kernel.run(c)))
-
-                        def both(start: Any = start, wait: Any = wait, c: int = count) -> None:
-                            pending = start()
-                            kernel.run(c)
-                            wait(pending)
-
-                        overall[variant][index].append(timing.batch(("overall", key), both))
-                finally:
-                    if ctx is not None:
-                        ctx.close()
-            if progress is not None and comm.Get_rank() == 0:
-                progress(f"overlap: round {rep + 1}/{reps} done")
+                state.time_round(variant)
+            round_done(progress, comm, "overlap", rep, reps)
     finally:
         comm.Free()
-    result_variants = {}
-    for variant in variants:
-        t_pure = [median(x) for x in pure[variant]]
-        t_compute = [median(x) for x in compute[variant]]
-        t_overall = [median(x) for x in overall[variant]]
-        result_variants[variant] = {
-            "label": LABELS[variant],
-            "pure_s": t_pure,
-            "compute_s": t_compute,
-            "overall_s": t_overall,
-            "overlap_pct": [_overlap(p, c, o) for p, c, o in zip(t_pure, t_compute, t_overall)],
-            "progress_thread": threads.get(variant),
-            "config": _config_text(variant),
-        }
     return {
         "kind": "overlap",
         "ranks": ranks,
         "sizes": list(sizes),
         "reps": reps,
         "unit_s": unit,
-        "variants": result_variants,
+        "variants": {variant: state.result(variant) for variant in variants},
     }
+
+
+_Start = Callable[[], Any]
+_Wait = Callable[[Any], Any]
+
+
+def _raw_calls(comm: Any, send: np.ndarray, recv: np.ndarray) -> tuple[_Start, _Wait]:
+    """Start and wait of raw mpi4py ``Iallreduce`` on `send` and `recv`."""
+
+    def start() -> Any:
+        return comm.Iallreduce(send, recv, MPI.SUM)
+
+    def wait(request: Any) -> Any:
+        return request.Wait()
+
+    return start, wait
+
+
+def _mt_calls(tensor: Any) -> tuple[_Start, _Wait]:
+    """Start and wait of mpitensor's ``all_reduce`` of `tensor`."""
+
+    def start() -> Any:
+        return all_reduce(tensor)
+
+    def wait(handle: Any) -> Any:
+        return handle.resolve()
+
+    return start, wait
+
+
+class _OverlapRun:
+    """One overlap run: the buffers of every size, the compute calibration, the times so far."""
+
+    def __init__(self, comm: Any, timing: Timing, kernel: _Compute, unit: float, sizes: Sequence[int],
+                 variants: Sequence[str]) -> None:
+        self.comm, self.timing, self.kernel, self.unit = comm, timing, kernel, unit
+        self.sends = [np.ones(max(1, n // 4), np.float32) for n in sizes]
+        self.recvs = [np.empty_like(s) for s in self.sends]
+        self.tensors = [from_numpy(s.copy()) for s in self.sends]
+        self.pure: dict[str, list[list[float]]] = {v: [[] for _ in sizes] for v in variants}
+        self.overall: dict[str, list[list[float]]] = {v: [[] for _ in sizes] for v in variants}
+        self.compute: dict[str, list[list[float]]] = {v: [[] for _ in sizes] for v in variants}
+        self.units: dict[tuple[str, int], int] = {}
+        self.threads: dict[str, bool | None] = {}
+
+    def time_round(self, variant: str) -> None:
+        """One round of `variant` at every size, inside a context of its own (none for raw)."""
+        config = _CONFIGS.get(variant)
+        ctx = None if config is None else DistributedContext.init(config=config)
+        try:
+            if ctx is not None:
+                self.threads[variant] = _progress_thread_running(ctx)
+            for index in range(len(self.sends)):
+                if ctx is None:
+                    start, wait = _raw_calls(self.comm, self.sends[index], self.recvs[index])
+                else:
+                    start, wait = _mt_calls(self.tensors[index])
+                self._time_size(variant, index, start, wait)
+        finally:
+            if ctx is not None:
+                ctx.close()
+
+    def _time_size(self, variant: str, index: int, start: _Start, wait: _Wait) -> None:
+        """Time the pure communication, the compute, then both together, at one size."""
+        timing, kernel = self.timing, self.kernel
+        key = (variant, index)
+        t_pure = timing.batch(("pure", key), lambda: wait(start()))
+        self.pure[variant][index].append(t_pure)
+        if key not in self.units:
+            # Calibrated once, to the first round's communication time.
+            self.units[key] = max(1, round(t_pure / self.unit))
+        count = self.units[key]
+        self.compute[variant][index].append(timing.batch(("compute", key), lambda: kernel.run(count)))
+
+        def both() -> None:
+            pending = start()
+            kernel.run(count)
+            wait(pending)
+
+        self.overall[variant][index].append(timing.batch(("overall", key), both))
+
+    def result(self, variant: str) -> dict[str, Any]:
+        """`variant`'s entry in the result: median times per size and the overlap they give."""
+        t_pure = [median(x) for x in self.pure[variant]]
+        t_compute = [median(x) for x in self.compute[variant]]
+        t_overall = [median(x) for x in self.overall[variant]]
+        return {
+            "label": LABELS[variant],
+            "pure_s": t_pure,
+            "compute_s": t_compute,
+            "overall_s": t_overall,
+            "overlap_pct": [_overlap(p, c, o) for p, c, o in zip(t_pure, t_compute, t_overall)],
+            "progress_thread": self.threads.get(variant),
+            "config": _config_text(variant),
+        }
 
 
 def _overlap(pure: float, compute: float, overall: float) -> float:

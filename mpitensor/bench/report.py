@@ -74,101 +74,150 @@ def evaluate(run: dict[str, Any]) -> list[Target]:
     targets: list[Target] = []
     sweep = run.get("sweep")
     if sweep is not None:
-        sizes = sweep["sizes"]
-        large = [n for n in sizes if n >= 64 * _KIB]
-        if large:
-            worst = max(large, key=lambda n: _ratio(_median(sweep, "mt", n), _median(sweep, "raw", n)) or 0)
-            details = [f"worst at {format_size(worst)}"]
-            for variant, what in (("mt_noprogress", "progress thread off"),
-                                  ("mt_plain", "shared memory off (the same MPI_Iallreduce)")):
-                ratios = [_ratio(_median(sweep, variant, n), _median(sweep, "raw", n)) for n in large]
-                known = [(r, n) for r, n in zip(ratios, large) if r is not None]
-                if known:
-                    value, at = max(known)
-                    details.append(f"{what}: worst {value:.2f}x at {format_size(at)}")
-            targets.append(Target(
-                "overhead >= 64 KiB: mt / raw (worst size)",
-                _ratio(_median(sweep, "mt", worst), _median(sweep, "raw", worst)), 1.05, False, "; ".join(details),
-            ))
-        if 8 in sizes:
-            checked = _ratio(_median(sweep, "mt_checked", 8), _median(sweep, "raw", 8))
-            raw8 = _median(sweep, "raw", 8)
-            targets.append(Target(
-                "overhead at 8 B, check off: mt / raw", _ratio(_median(sweep, "mt", 8), raw8),
-                2.0, False, "check on: " + (f"{checked:.2f}x" if checked is not None else "-")
-                + (f"; raw {raw8 * 1e6:.2f} us" if raw8 else ""),
-            ))
-        if _MIB in sizes and "gloo" in sweep["variants"]:
-            gloo = _median(sweep, "gloo", _MIB)
-            off = _ratio(gloo, _median(sweep, "mt_noprogress", _MIB))
-            targets.append(Target(
-                "vs gloo at 1 MiB: gloo / mt", _ratio(gloo, _median(sweep, "mt", _MIB)),
-                10.0, True, f"gloo {gloo * 1e6:.0f} us" + (f"; progress thread off: {off:.2f}x" if off else ""),
-            ))
-        small = [n for n in sizes if n <= 64 * _KIB]
-        if small and "pickle" in sweep["variants"]:
-            def pickle_ratio(n: int, variant: str) -> float:
-                return _ratio(_median(sweep, "pickle", n), _median(sweep, variant, n)) or 0.0
-
-            worst = min(small, key=lambda n: pickle_ratio(n, "mt"))
-            details = [f"worst at {format_size(worst)}"]
-            if "mt_noprogress" in sweep["variants"]:
-                off = min(small, key=lambda n: pickle_ratio(n, "mt_noprogress"))
-                details.append(f"progress thread off: worst {pickle_ratio(off, 'mt_noprogress'):.2f}x at "
-                               f"{format_size(off)}")
-            best_raw = min(small, key=lambda n: pickle_ratio(n, "raw"))
-            details.append(f"raw MPI itself: worst {pickle_ratio(best_raw, 'raw'):.2f}x at {format_size(best_raw)}")
-            targets.append(Target(
-                "vs pickle allreduce <= 64 KiB: pickle / mt (worst size)",
-                pickle_ratio(worst, "mt"), 5.0, True, "; ".join(details),
-            ))
-        factor = busbw_factor(sweep["ranks"])
-        for nbytes in (16 * _MIB, 64 * _MIB):
-            if nbytes not in sizes:
-                continue
-            raw, mt, copy = (_median(sweep, v, nbytes) for v in ("raw", "mt", "memcpy"))
-            bus = [None if t is None else nbytes * factor / t / 1e9 for t in (raw, mt)]
-            floor = "-" if copy is None else f"{nbytes / copy / 1e9:.2f} GB/s copy rate"
-            off = _ratio(raw, _median(sweep, "mt_noprogress", nbytes))
-            targets.append(Target(
-                f"busbw at {format_size(nbytes)}: mt / raw", _ratio(raw, mt), 1.3, True,
-                f"mt {bus[1] or 0:.2f} GB/s, raw {bus[0] or 0:.2f} GB/s; memcpy floor {floor}"
-                + (f"; progress thread off: {off:.2f}x" if off else ""),
-            ))
+        targets += _sweep_targets(sweep)
     overlap = run.get("overlap")
     if overlap is not None:
-        sizes = [n for n in overlap["sizes"] if n >= _MIB]
-        variants = overlap["variants"]
-        on = variants.get("mt_progress_on")
-        if sizes and on is not None:
-            idx = [overlap["sizes"].index(n) for n in sizes]
-            values = [on["overlap_pct"][i] for i in idx]
-            known = [v for v in values if v is not None]
-            beside = []
-            for name in ("raw", "mt_progress_off", "mt_plain_progress_on"):
-                entry = variants.get(name)
-                if entry is not None:
-                    others = [entry["overlap_pct"][i] for i in idx if entry["overlap_pct"][i] is not None]
-                    if others:
-                        beside.append(f"{name} min {min(others):.0f}%")
-            worst = sizes[values.index(min(known))] if known else None
-            targets.append(Target(
-                "overlap >= 1 MiB, progress on (worst size, %)", min(known) if known else None, 80.0, True,
-                (f"worst at {format_size(worst)}; " if worst else "") + "; ".join(beside),
-            ))
+        targets += _overlap_targets(overlap)
     fused = run.get("fused")
     if fused is not None:
-        variants = fused["variants"]
-        if "fused" in variants and "separate" in variants:
-            checked = ""
-            if "fused_checked" in variants and "separate_checked" in variants:
-                checked = (f"; check on: "
-                           f"{variants['separate_checked']['median_s'] / variants['fused_checked']['median_s']:.1f}x")
-            targets.append(Target(
-                f"fusion, {fused['count']} x {format_size(fused['tensor_bytes'])}: separate / fused",
-                variants["separate"]["median_s"] / variants["fused"]["median_s"], 5.0, True, "check off" + checked,
-            ))
+        targets += _fused_targets(fused)
     return targets
+
+
+def _sweep_targets(sweep: dict[str, Any]) -> list[Target]:
+    """The sweep's targets: overhead at large and small sizes, gloo, pickle, bus bandwidth."""
+    targets = [
+        target
+        for target in (_large_overhead(sweep), _small_overhead(sweep), _versus_gloo(sweep), _versus_pickle(sweep))
+        if target is not None
+    ]
+    return targets + _busbw_targets(sweep)
+
+
+def _large_overhead(sweep: dict[str, Any]) -> Target | None:
+    """The target mt / raw at the worst size >= 64 KiB (progress thread off, shared memory off beside it)."""
+    large = [n for n in sweep["sizes"] if n >= 64 * _KIB]
+    if not large:
+        return None
+    worst = max(large, key=lambda n: _ratio(_median(sweep, "mt", n), _median(sweep, "raw", n)) or 0)
+    details = [f"worst at {format_size(worst)}"]
+    for variant, what in (("mt_noprogress", "progress thread off"),
+                          ("mt_plain", "shared memory off (the same MPI_Iallreduce)")):
+        ratios = [_ratio(_median(sweep, variant, n), _median(sweep, "raw", n)) for n in large]
+        known = [(r, n) for r, n in zip(ratios, large) if r is not None]
+        if known:
+            value, at = max(known)
+            details.append(f"{what}: worst {value:.2f}x at {format_size(at)}")
+    return Target(
+        "overhead >= 64 KiB: mt / raw (worst size)",
+        _ratio(_median(sweep, "mt", worst), _median(sweep, "raw", worst)), 1.05, False, "; ".join(details),
+    )
+
+
+def _small_overhead(sweep: dict[str, Any]) -> Target | None:
+    """The target mt / raw at 8 B with the check off (the check on beside it)."""
+    if 8 not in sweep["sizes"]:
+        return None
+    checked = _ratio(_median(sweep, "mt_checked", 8), _median(sweep, "raw", 8))
+    raw8 = _median(sweep, "raw", 8)
+    return Target(
+        "overhead at 8 B, check off: mt / raw", _ratio(_median(sweep, "mt", 8), raw8),
+        2.0, False, "check on: " + (f"{checked:.2f}x" if checked is not None else "-")
+        + (f"; raw {raw8 * 1e6:.2f} us" if raw8 else ""),
+    )
+
+
+def _versus_gloo(sweep: dict[str, Any]) -> Target | None:
+    """The target gloo / mt at 1 MiB (when the run has gloo)."""
+    if _MIB not in sweep["sizes"] or "gloo" not in sweep["variants"]:
+        return None
+    gloo = _median(sweep, "gloo", _MIB)
+    off = _ratio(gloo, _median(sweep, "mt_noprogress", _MIB))
+    return Target(
+        "vs gloo at 1 MiB: gloo / mt", _ratio(gloo, _median(sweep, "mt", _MIB)),
+        10.0, True, f"gloo {gloo * 1e6:.0f} us" + (f"; progress thread off: {off:.2f}x" if off else ""),
+    )
+
+
+def _versus_pickle(sweep: dict[str, Any]) -> Target | None:
+    """The target pickle / mt at the worst size <= 64 KiB (when the run has pickle; raw MPI beside it)."""
+    small = [n for n in sweep["sizes"] if n <= 64 * _KIB]
+    if not small or "pickle" not in sweep["variants"]:
+        return None
+
+    def pickle_ratio(n: int, variant: str) -> float:
+        return _ratio(_median(sweep, "pickle", n), _median(sweep, variant, n)) or 0.0
+
+    worst = min(small, key=lambda n: pickle_ratio(n, "mt"))
+    details = [f"worst at {format_size(worst)}"]
+    if "mt_noprogress" in sweep["variants"]:
+        off = min(small, key=lambda n: pickle_ratio(n, "mt_noprogress"))
+        details.append(f"progress thread off: worst {pickle_ratio(off, 'mt_noprogress'):.2f}x at "
+                       f"{format_size(off)}")
+    best_raw = min(small, key=lambda n: pickle_ratio(n, "raw"))
+    details.append(f"raw MPI itself: worst {pickle_ratio(best_raw, 'raw'):.2f}x at {format_size(best_raw)}")
+    return Target(
+        "vs pickle allreduce <= 64 KiB: pickle / mt (worst size)",
+        pickle_ratio(worst, "mt"), 5.0, True, "; ".join(details),
+    )
+
+
+def _busbw_targets(sweep: dict[str, Any]) -> list[Target]:
+    """The targets busbw mt / raw (the time ratio raw / mt) at 16 and 64 MiB, where the run has them."""
+    targets = []
+    factor = busbw_factor(sweep["ranks"])
+    for nbytes in (16 * _MIB, 64 * _MIB):
+        if nbytes not in sweep["sizes"]:
+            continue
+        raw, mt, copy = (_median(sweep, v, nbytes) for v in ("raw", "mt", "memcpy"))
+        bus = [None if t is None else nbytes * factor / t / 1e9 for t in (raw, mt)]
+        floor = "-" if copy is None else f"{nbytes / copy / 1e9:.2f} GB/s copy rate"
+        off = _ratio(raw, _median(sweep, "mt_noprogress", nbytes))
+        targets.append(Target(
+            f"busbw at {format_size(nbytes)}: mt / raw", _ratio(raw, mt), 1.3, True,
+            f"mt {bus[1] or 0:.2f} GB/s, raw {bus[0] or 0:.2f} GB/s; memcpy floor {floor}"
+            + (f"; progress thread off: {off:.2f}x" if off else ""),
+        ))
+    return targets
+
+
+def _overlap_targets(overlap: dict[str, Any]) -> list[Target]:
+    """The target: the worst overlap >= 1 MiB with the progress thread on (other variants beside it)."""
+    sizes = [n for n in overlap["sizes"] if n >= _MIB]
+    variants = overlap["variants"]
+    on = variants.get("mt_progress_on")
+    if not sizes or on is None:
+        return []
+    idx = [overlap["sizes"].index(n) for n in sizes]
+    values = [on["overlap_pct"][i] for i in idx]
+    known = [v for v in values if v is not None]
+    beside = []
+    for name in ("raw", "mt_progress_off", "mt_plain_progress_on"):
+        entry = variants.get(name)
+        if entry is not None:
+            others = [entry["overlap_pct"][i] for i in idx if entry["overlap_pct"][i] is not None]
+            if others:
+                beside.append(f"{name} min {min(others):.0f}%")
+    worst = sizes[values.index(min(known))] if known else None
+    return [Target(
+        "overlap >= 1 MiB, progress on (worst size, %)", min(known) if known else None, 80.0, True,
+        (f"worst at {format_size(worst)}; " if worst else "") + "; ".join(beside),
+    )]
+
+
+def _fused_targets(fused: dict[str, Any]) -> list[Target]:
+    """The target separate / fused time with the check off (the check on beside it), when the run has both."""
+    variants = fused["variants"]
+    if "fused" not in variants or "separate" not in variants:
+        return []
+    checked = ""
+    if "fused_checked" in variants and "separate_checked" in variants:
+        checked = (f"; check on: "
+                   f"{variants['separate_checked']['median_s'] / variants['fused_checked']['median_s']:.1f}x")
+    return [Target(
+        f"fusion, {fused['count']} x {format_size(fused['tensor_bytes'])}: separate / fused",
+        variants["separate"]["median_s"] / variants["fused"]["median_s"], 5.0, True, "check off" + checked,
+    )]
 
 
 def format_targets(runs: Sequence[dict[str, Any]]) -> str:

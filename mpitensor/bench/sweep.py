@@ -31,11 +31,13 @@ from .._core.mpi import MPI
 from ._common import (
     Timing,
     busbw_factor,
+    check_variants,
     format_size,
     gbps,
     markdown_table,
     median,
     ratio,
+    round_done,
     size_axis,
     start_gloo,
     stop_gloo,
@@ -86,34 +88,19 @@ def run_sweep(
         "median_s", "samples_s", "iters"}}, "skipped": {name: reason}}``; a skipped variant
         has no entry under ``variants``.
     """
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        raise ValueError(f"unknown variants {unknown}; expected some of {list(VARIANTS)}")
+    check_variants(variants, VARIANTS)
     comm = MPI.COMM_WORLD.Dup()
     ranks = comm.Get_size()
     timing = Timing(comm, target, reps)
-    skipped: dict[str, str] = {}
-    dist = None
-    if "gloo" in variants:
-        dist = start_gloo(comm)
-        if dist is None:
-            skipped["gloo"] = "torch is not installed (pip install torch for the gloo column)"
+    dist, skipped = _join_gloo(comm, variants)
     active = [v for v in variants if v not in skipped]
     samples: dict[str, list[list[float]]] = {v: [[] for _ in sizes] for v in active}
     buffers = [_Buffers(nbytes, dist) for nbytes in sizes]
     try:
         for rep in range(reps):
             for variant in active:
-                config = _CONFIGS.get(variant)
-                if config is None:
-                    for index, buf in enumerate(buffers):
-                        samples[variant][index].append(timing.batch((variant, index), buf.call(variant, comm)))
-                    continue
-                with DistributedContext.init(config=config):
-                    for index, buf in enumerate(buffers):
-                        samples[variant][index].append(timing.batch((variant, index), buf.mt_call()))
-            if progress is not None and comm.Get_rank() == 0:
-                progress(f"sweep: round {rep + 1}/{reps} done")
+                _time_round(timing, comm, variant, buffers, samples[variant])
+            round_done(progress, comm, "sweep", rep, reps)
     finally:
         stop_gloo(dist)
         comm.Free()
@@ -124,16 +111,42 @@ def run_sweep(
         "reps": reps,
         "dtype": "float32",
         "op": "sum",
-        "variants": {
-            v: {
-                "label": LABELS[v],
-                "median_s": [median(s) for s in samples[v]],
-                "samples_s": samples[v],
-                "iters": [timing.iterations((v, i)) for i in range(len(sizes))],
-            }
-            for v in active
-        },
+        "variants": {v: _variant_result(v, samples[v], timing) for v in active},
         "skipped": skipped,
+    }
+
+
+def _join_gloo(comm: Any, variants: Sequence[str]) -> tuple[Any, dict[str, str]]:
+    """Join the gloo group when `variants` has gloo; the group (or None) and the variants skipped."""
+    skipped: dict[str, str] = {}
+    dist = None
+    if "gloo" in variants:
+        dist = start_gloo(comm)
+        if dist is None:
+            skipped["gloo"] = "torch is not installed (pip install torch for the gloo column)"
+    return dist, skipped
+
+
+def _time_round(timing: Timing, comm: Any, variant: str, buffers: Sequence[_Buffers],
+                samples: list[list[float]]) -> None:
+    """Time one batch of `variant` at every size (an mt variant inside a context of its own)."""
+    config = _CONFIGS.get(variant)
+    if config is None:
+        for index, buf in enumerate(buffers):
+            samples[index].append(timing.batch((variant, index), buf.call(variant, comm)))
+        return
+    with DistributedContext.init(config=config):
+        for index, buf in enumerate(buffers):
+            samples[index].append(timing.batch((variant, index), buf.mt_call()))
+
+
+def _variant_result(variant: str, samples: list[list[float]], timing: Timing) -> dict[str, Any]:
+    """One variant's entry in the result: its label, medians, samples and batch sizes."""
+    return {
+        "label": LABELS[variant],
+        "median_s": [median(s) for s in samples],
+        "samples_s": samples,
+        "iters": [timing.iterations((variant, i)) for i in range(len(samples))],
     }
 
 
