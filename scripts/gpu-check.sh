@@ -21,7 +21,8 @@
 #   1. makes a virtual environment with --system-site-packages (CuPy stays visible) and
 #      installs the MPI wheel, mpi4py and pytest into it from .wheels only (--no-index);
 #      mpitensor itself runs from this checkout (PYTHONPATH);
-#   2. runs tests/gpu under mpiexec -n 1, then -n 2 (both ranks share the GPU);
+#   2. runs the GPU tests (tests/transport/gpu/on_gpu) under mpiexec -n 1, then -n 2 (both
+#      ranks share the GPU);
 #   3. prints `python -m mpitensor info` for 2 ranks;
 #   4. prints the benchmark (scripts/gpu_bench.py): staged all-reduce of 1, 16 and 256 MiB
 #      float32 against its floor measured in the same run, as ratios.
@@ -95,7 +96,7 @@ fi
 "$py" -c "import mpi4py, mpitensor; from mpitensor._core import mpi as _mpi; print('mpi4py', mpi4py.__version__, 'from', mpi4py.__file__)" \
   || { step_failed "importing mpi4py and mpitensor"; exit 1; }
 
-pytest_args=(tests/gpu -q --with-mpi -p pytest_mpi -p mpitensor._pytest_plugin -p no:cacheprovider -rs)
+pytest_args=(tests/transport/gpu/on_gpu -q --with-mpi -p pytest_mpi -p mpitensor._pytest_plugin -p no:cacheprovider -rs)
 for n in 1 2; do
   say "GPU tests, mpiexec -n $n"
   logs="logs/gpu-check/np$n"

@@ -17,7 +17,7 @@ from mpitensor._core.device import gpu_for_local_rank, local_rank_from_env, plan
 
 HAVE_CUPY = importlib.util.find_spec("cupy") is not None
 GPUS, NO_GPU_REASON = probe_gpus()
-needs_no_gpu = pytest.mark.skipif(GPUS > 0, reason="this machine has a GPU; tests/gpu covers it")
+needs_no_gpu = pytest.mark.skipif(GPUS > 0, reason="this machine has a GPU; tests/transport/gpu/on_gpu covers it")
 
 
 @pytest.mark.parametrize(

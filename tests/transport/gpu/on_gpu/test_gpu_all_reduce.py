@@ -12,8 +12,8 @@ import mpitensor as mt
 from mpitensor._collectives.gpu_staged import copy_stream, cuda_awareness, data_path
 from mpitensor._transport.gpu.pinned import pinned_pool
 from tests.conftest import GROUP_KINDS, group_members
-from tests.gpu.conftest import spin
 from tests.helpers import OP, assert_matches, rank_input, reference, seed_of
+from tests.transport.gpu.on_gpu.conftest import spin
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

@@ -1,8 +1,8 @@
 """The pool of pinned staging buffers: reuse, pending GPU work, lifetimes, the cache limit.
 
 The pool's logic does not depend on CUDA: here its memory comes from NumPy and its events
-are plain objects with CUDA events' ``done`` and ``synchronize()``. tests/gpu runs it on
-real pinned memory.
+are plain objects with CUDA events' ``done`` and ``synchronize()``. The tests in on_gpu/
+run it on real pinned memory.
 """
 
 from __future__ import annotations
