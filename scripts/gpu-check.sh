@@ -92,7 +92,7 @@ if [ "$mpi" = openmpi ]; then
     export OMPI_MCA_btl_sm_backing_directory=${OMPI_MCA_btl_sm_backing_directory:-/tmp}
   fi
 fi
-"$py" -c "import mpi4py, mpitensor; from mpitensor import _mpi; print('mpi4py', mpi4py.__version__, 'from', mpi4py.__file__)" \
+"$py" -c "import mpi4py, mpitensor; from mpitensor._core import mpi as _mpi; print('mpi4py', mpi4py.__version__, 'from', mpi4py.__file__)" \
   || { step_failed "importing mpi4py and mpitensor"; exit 1; }
 
 pytest_args=(tests/gpu -q --with-mpi -p pytest_mpi -p mpitensor._pytest_plugin -p no:cacheprovider -rs)

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 import mpitensor as mt
-from mpitensor import _mpi
-from mpitensor._mpi import MPI
+from mpitensor._core import mpi as _mpi
+from mpitensor._core.mpi import MPI
 
 MIB = 1 << 20
 ITERATIONS = {1: 40, 16: 15, 256: 5}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import mpitensor as mt
-from mpitensor._check import FAILED_CALL, AbandonRecord, Record, dtype_code, dtype_from_code, mismatch_error
+from mpitensor._runtime.check import FAILED_CALL, AbandonRecord, Record, dtype_code, dtype_from_code, mismatch_error
 
 
 def _record(per_rank=0, **changes):

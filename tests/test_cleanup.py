@@ -22,7 +22,8 @@ import time
 import pytest
 
 import mpitensor as mt
-from mpitensor import _mpi, _shm_cleanup
+from mpitensor._core import mpi as _mpi
+from mpitensor._core import shm_cleanup as _shm_cleanup
 from tests.helpers import _PREAMBLE, ROOT, ChildResult, _clean_env, _kill_group, run_job
 
 pytestmark = pytest.mark.subprocess
@@ -236,7 +237,7 @@ def test_unlinked_files_keep_the_job_working(tmp_path):
         + textwrap.dedent("""
         import numpy as np
         import mpitensor as mt
-        from mpitensor import _failfast
+        from mpitensor._runtime import failfast as _failfast
         with mt.DistributedContext.init() as ctx:
             mt.all_reduce(np.ones(8)).resolve()
             report_files()

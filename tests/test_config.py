@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import mpitensor as mt
-from mpitensor._config import parse_op
+from mpitensor._core.config import parse_op
 
 
 def test_reduce_operations_mirror_the_seed_and_go_beyond():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._mpi import MPI
+from mpitensor._core.mpi import MPI
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

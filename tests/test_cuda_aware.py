@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor import _cuda_aware
-from mpitensor._cuda_aware import LibraryAnswer, decide, detect, kinds_support_cuda, parse_override
-from mpitensor._mpi import MPI
+from mpitensor._core.mpi import MPI
+from mpitensor._transport.gpu import cuda_aware as _cuda_aware
+from mpitensor._transport.gpu.cuda_aware import LibraryAnswer, decide, detect, kinds_support_cuda, parse_override
 
 YES = LibraryAnswer(True, "MPIX_Query_cuda_support() in libmpi.so.40 returned 1")
 NO = LibraryAnswer(False, "MPIX_Query_cuda_support() in libmpi.so.40 returned 0")
@@ -148,7 +148,7 @@ def test_detection_follows_the_table_on_this_mpi(ctx, monkeypatch):
 @pytest.mark.mpi
 @pytest.mark.parametrize(("raw", "path"), [("1", "cuda-aware"), ("0", "staged")])
 def test_environment_override_sets_the_data_path(monkeypatch, raw, path):
-    from mpitensor._gpu_path import data_path, data_path_name
+    from mpitensor._collectives.gpu_staged import data_path, data_path_name
 
     monkeypatch.setenv("MPITENSOR_CUDA_AWARE", raw)
     with mt.DistributedContext.init() as ctx:
@@ -158,7 +158,7 @@ def test_environment_override_sets_the_data_path(monkeypatch, raw, path):
 
 @pytest.mark.mpi
 def test_config_beats_the_environment(monkeypatch):
-    from mpitensor._gpu_path import cuda_awareness, data_path
+    from mpitensor._collectives.gpu_staged import cuda_awareness, data_path
 
     monkeypatch.setenv("MPITENSOR_CUDA_AWARE", "0")
     with mt.DistributedContext.init(config=mt.DistributedConfig(cuda_aware=True)) as ctx:
@@ -168,8 +168,8 @@ def test_config_beats_the_environment(monkeypatch):
 
 @pytest.mark.mpi
 def test_user_defined_ops_never_get_device_buffers(monkeypatch):
-    from mpitensor._dtypes import reduce_plan
-    from mpitensor._gpu_path import device_buffers_ok
+    from mpitensor._collectives.gpu_staged import device_buffers_ok
+    from mpitensor._core.dtypes import reduce_plan
 
     monkeypatch.setenv("MPITENSOR_CUDA_AWARE", "1")
     with mt.DistributedContext.init() as ctx:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import mpitensor as mt
-from mpitensor._device import gpu_for_local_rank, local_rank_from_env, visible_gpu_count
+from mpitensor._core.device import gpu_for_local_rank, local_rank_from_env, visible_gpu_count
 
 
 def test_devices_are_values_ordered_by_rank():

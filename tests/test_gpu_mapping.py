@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 import mpitensor as mt
-from mpitensor._device import gpu_for_local_rank, local_rank_from_env, plan_device, probe_gpus, visible_gpu_count
+from mpitensor._core.device import gpu_for_local_rank, local_rank_from_env, plan_device, probe_gpus, visible_gpu_count
 
 HAVE_CUPY = importlib.util.find_spec("cupy") is not None
 GPUS, NO_GPU_REASON = probe_gpus()
@@ -173,7 +173,7 @@ def test_init_forced_cpu():
 @needs_no_gpu
 @pytest.mark.mpi
 def test_init_forced_cuda_without_a_gpu_raises_a_clear_error():
-    from mpitensor._mpi import MPI
+    from mpitensor._core.mpi import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
     with pytest.raises(mt.DeviceError) as info:
@@ -186,7 +186,7 @@ def test_init_forced_cuda_without_a_gpu_raises_a_clear_error():
 @needs_no_gpu
 @pytest.mark.mpi
 def test_init_given_gpu_devices_this_machine_lacks():
-    from mpitensor._mpi import MPI
+    from mpitensor._core.mpi import MPI
 
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     devices = [mt.Device("cuda", 0, r) for r in range(size)]

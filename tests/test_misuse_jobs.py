@@ -132,4 +132,4 @@ def test_with_the_check_off_mpi_errors_still_come_as_mpitensor_errors(tmp_path):
     lines = result.reported("error") + result.reported("no error")
     assert len(lines) == 2, result.output
     for line in lines:
-        assert line.startswith("error mpitensor._errors") and line.endswith("True"), line
+        assert line.startswith("error mpitensor._core.errors") and line.endswith("True"), line

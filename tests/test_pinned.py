@@ -12,7 +12,7 @@ import gc
 import numpy as np
 import pytest
 
-from mpitensor._pinned import PinnedPool
+from mpitensor._transport.gpu.pinned import PinnedPool
 
 
 class HostMemory:

@@ -6,7 +6,7 @@ import gc
 
 import numpy as np
 
-from mpitensor._pool import HostPool
+from mpitensor._core.pool import HostPool
 
 
 def test_a_dropped_block_is_reused():
@@ -51,7 +51,7 @@ def test_the_cache_is_capped():
 
 
 def test_size_classes_are_quarter_steps_and_serve_nearby_sizes():
-    from mpitensor._pool import size_class
+    from mpitensor._core.pool import size_class
 
     assert [size_class(n) for n in (65536, 65537, 81920, 81921, 131071)] == [65536, 81920, 81920, 98304, 131072]
     for n in range(5, 1 << 20, 4099):
@@ -66,7 +66,7 @@ def test_size_classes_are_quarter_steps_and_serve_nearby_sizes():
 
 
 def test_pooled_arrays_can_be_write_protected_and_released():
-    from mpitensor._protect import restorable
+    from mpitensor._core.protect import restorable
 
     pool = HostPool(min_bytes=1024)
     array = pool.empty((64, 64), np.dtype(np.float64))
@@ -89,6 +89,6 @@ def test_a_block_returns_only_when_the_last_view_of_a_view_is_gone():
     assert pool.cached_bytes == 0
     del deep
     gc.collect()
-    from mpitensor._pool import size_class
+    from mpitensor._core.pool import size_class
 
     assert pool.cached_bytes == size_class(16_000)

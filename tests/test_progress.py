@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._engine import COMPLETE
+from mpitensor._runtime.engine import COMPLETE
 from tests.helpers import OP, assert_matches, rank_input, reference
 
 pytestmark = pytest.mark.mpi(min_size=2)

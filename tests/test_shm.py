@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor import _shm
-from mpitensor._all_reduce import SMALL_BYTES
-from mpitensor._dtypes import reduce_plan
-from mpitensor._engine import Op
+from mpitensor._collectives.all_reduce import SMALL_BYTES
+from mpitensor._core.dtypes import reduce_plan
+from mpitensor._runtime.engine import Op
+from mpitensor._transport import shm as _shm
 from tests.helpers import run_job
 
 mpi = pytest.mark.mpi(min_size=2)

@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, {root!r})
 import mpitensor as mt
-from mpitensor._mpi import MPI
+from mpitensor._core.mpi import MPI
 from tests.helpers import rank_input, reference, tolerance
 
 OPS = {ops}

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 import mpitensor as mt
-from mpitensor._context import local_rank_env_check
-from mpitensor._device import gpu_for_local_rank, local_rank_from_env, visible_gpu_count
-from mpitensor._info import collect, format_table
-from mpitensor._mpi import vendor
+from mpitensor._core.device import gpu_for_local_rank, local_rank_from_env, visible_gpu_count
+from mpitensor._core.mpi import vendor
+from mpitensor._runtime.context import local_rank_env_check
+from mpitensor._tools.info import collect, format_table
 
 Verdict = tuple[bool, str]
 

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes
 
 import mpitensor as mt
-from mpitensor import _shm
-from mpitensor._all_reduce import SMALL_BYTES
+from mpitensor._collectives.all_reduce import SMALL_BYTES
+from mpitensor._transport import shm as _shm
 from tests.helpers import ALL_DTYPES, OP, rank_input, reference, seed_of, tolerance
 
 try:

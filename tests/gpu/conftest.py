@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 
 import mpitensor as mt
-from mpitensor._device import probe_gpus
+from mpitensor._core.device import probe_gpus
 
 GPUS, NO_GPU_REASON = probe_gpus()
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._gpu_path import copy_stream, cuda_awareness, data_path
-from mpitensor._pinned import pinned_pool
+from mpitensor._collectives.gpu_staged import copy_stream, cuda_awareness, data_path
+from mpitensor._transport.gpu.pinned import pinned_pool
 from tests.conftest import GROUP_KINDS, group_members
 from tests.gpu.conftest import spin
 from tests.helpers import OP, assert_matches, rank_input, reference, seed_of
@@ -171,7 +171,7 @@ SIZES = pytest.mark.parametrize("elements", [4, 1 << 20], ids=["small", "shared-
 @SIZES
 def test_cpu_and_gpu_ranks_of_one_context(cp, elements):
     # Even ranks on their GPU, odd ranks on their CPU (this is every rank's own device).
-    from mpitensor._mpi import MPI
+    from mpitensor._core.mpi import MPI
 
     size = MPI.COMM_WORLD.Get_size()
     devices = [mt.Device("cuda", 0, r) if r % 2 == 0 else mt.Device("cpu", 0, r) for r in range(size)]

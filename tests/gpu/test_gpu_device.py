@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._device import visible_gpu_count
-from mpitensor._gpu_path import data_path
-from mpitensor._info import collect
+from mpitensor._collectives.gpu_staged import data_path
+from mpitensor._core.device import visible_gpu_count
+from mpitensor._tools.info import collect
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
