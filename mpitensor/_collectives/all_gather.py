@@ -39,7 +39,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
     """
     ctx = context_for("all_gather")
     source = take_input(input, ctx, "all_gather")
-    group = ctx._group(devices, "all_gather")
+    group = ctx.group(devices, "all_gather")
     if source.on_gpu:
         from .gpu_staged import gpu_all_gather
 
@@ -53,7 +53,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
     axis = int(axis) % array.ndim
     moved = np.moveaxis(array, axis, 0)
     if axis:
-        send = ctx._pool.empty(moved.shape, moved.dtype)
+        send = ctx.pool.empty(moved.shape, moved.dtype)
         np.copyto(send, moved)
         source.copied = True
     else:
@@ -69,7 +69,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
     comm = group.comm
 
     def post(lengths: list[int]) -> list[Any]:
-        gathered = ctx._pool.empty((sum(lengths), *rest), array.dtype)
+        gathered = ctx.pool.empty((sum(lengths), *rest), array.dtype)
         # Gathered along the first axis; the result is a view with the axis moved back.
         later.value = Tensor(np.moveaxis(gathered, 0, axis) if axis else gathered, device)
         if len(set(lengths)) == 1:
@@ -88,6 +88,6 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
         keep=(send,),
         protections=protections,
         exchange=True,
-        compare=ctx._config.check,
+        compare=ctx.config.check,
     )
     return start(ctx, op, later)

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from .._core import state as _state
 from .._core.config import ReduceOperation, parse_op
 from .._core.device import Device
 from .._core.dtypes import ReducePlan, reduce_plan
 from .._core.mpi import MPI
+from .._core.state import open_contexts
 from .._core.tensor import Tensor, wrap_array
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
@@ -63,41 +63,42 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     """
     # The common small call (a contiguous host array or tensor, every rank, a usable
     # context) goes straight to `_small`: at 8 bytes, per-call overhead is the whole cost.
-    stack = _state._open
+    # A Tensor's `_array` and `_device` are read here directly, not through a property
+    # or an accessor function: this path costs a few microseconds, and either would add
+    # a call to it.
     kind = type(input)
-    if stack and devices is None and (kind is np.ndarray or kind is Tensor):
-        ctx = stack[-1]
+    if open_contexts and devices is None and (kind is np.ndarray or kind is Tensor):
+        ctx = open_contexts[-1]
         array = input if kind is np.ndarray else input._array
-        if type(array) is np.ndarray and array.flags.c_contiguous and not ctx._closed and ctx._broken is None:
+        if type(array) is np.ndarray and array.flags.c_contiguous and ctx.usable:
+            device = ctx.cpu_device if kind is np.ndarray else input._device
             nbytes = array.nbytes
             if nbytes <= SMALL_BYTES:
-                plan = reduce_plan(ctx._config.all_reduce_op if op is None else parse_op(op), array.dtype)
+                plan = reduce_plan(ctx.config.all_reduce_op if op is None else parse_op(op), array.dtype)
                 if not plan.rounds_back:
-                    device = ctx._cpu_device if kind is np.ndarray else input._device
-                    return _small(ctx, array, device, op, plan, ctx._full)
-            elif array.dtype in PLAIN_DTYPES and not (ctx._config.check and ctx._size > 1):
+                    return _small(ctx, array, device, op, plan, ctx.full_group)
+            elif array.dtype in PLAIN_DTYPES and not (ctx.config.check and ctx.full_group.size > 1):
                 # Larger, unchecked, and too small for (or barred from) shared memory:
                 # nothing to agree on or to step through, so it too is posted at once.
-                plan = reduce_plan(ctx._config.all_reduce_op if op is None else parse_op(op), array.dtype)
-                if plan.work_dtype == array.dtype and not may_apply(ctx._config, nbytes):
+                plan = reduce_plan(ctx.config.all_reduce_op if op is None else parse_op(op), array.dtype)
+                if plan.work_dtype == array.dtype and not may_apply(ctx.config, nbytes):
                     tensor = input if kind is Tensor else None
-                    device = ctx._cpu_device if tensor is None else tensor._device
-                    out = ctx._pool.empty(array.shape, plan.work_dtype)
+                    out = ctx.pool.empty(array.shape, plan.work_dtype)
                     if plan.codec is not None:  # MAX/MIN of floats: MPI reduces a private copy of keys
-                        send = ctx._pool.empty(array.shape, plan.work_dtype)
+                        send = ctx.pool.empty(array.shape, plan.work_dtype)
                         plan.codec.encode(array, send)
-                        return _post_now(ctx, ctx._full, send, (), out, out, plan, device, nbytes)
+                        return _post_now(ctx, ctx.full_group, send, (), out, out, plan, device, nbytes)
                     source = Input(tensor, array, array, False)
                     protections = source.guard(ctx)  # may swap in a private copy
-                    return _post_now(ctx, ctx._full, source.buffer, protections, out, out, plan, device, nbytes)
+                    return _post_now(ctx, ctx.full_group, source.buffer, protections, out, out, plan, device, nbytes)
     ctx = context_for("all_reduce")
     if isinstance(input, (list, tuple, dict)):
         from .fused import fused_all_reduce
 
         return fused_all_reduce(ctx, input, op, devices)
-    reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
+    reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     source = take_input(input, ctx, "all_reduce")
-    group = ctx._full if devices is None else ctx._group(devices, "all_reduce")
+    group = ctx.full_group if devices is None else ctx.group(devices, "all_reduce")
     if source.on_gpu:
         from .gpu_staged import gpu_all_reduce
 
@@ -111,7 +112,7 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         fast = shared_memory_post(ctx, group, send, plan)  # the intra-node fast path, or None
     else:
         send, protections, fast = _extremum_input(ctx, source, plan, group)
-    checked = ctx._config.check and group.size > 1
+    checked = ctx.config.check and group.size > 1
     if fast is None:
         out, final = reduction_buffers(ctx, array.shape, plan)
         if not checked:
@@ -120,7 +121,7 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
             return _post_now(ctx, group, send, protections, out, final, plan, device, array.nbytes)
     else:
         out = fast.out
-        final = ctx._pool.empty(array.shape, plan.out_dtype) if plan.rounds_back else out
+        final = ctx.pool.empty(array.shape, plan.out_dtype) if plan.rounds_back else out
     result = wrap_array(final, result_device(ctx, source))
     comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
     size = group.size
@@ -157,7 +158,7 @@ def _extremum_input(
     The shared-memory path reduces the floats themselves (with ``plan.combine``), so it
     gets the input as it is, protected; MPI gets a private encoded copy (``plan.codec``).
     """
-    if may_apply(ctx._config, source.array.nbytes):
+    if may_apply(ctx.config, source.array.nbytes):
         protections = source.guard(ctx)  # may swap in a private copy: read the buffer after it
         fast = shared_memory_post(ctx, group, source.buffer, plan)
         if fast is not None:
@@ -180,7 +181,7 @@ def _post_now(ctx: DistributedContext, group: Group, send: np.ndarray, protectio
     finish = partial(finish_reduction, out, final, plan, group.size) if finishes else None
     op = Op("all_reduce", group, nbytes, None, finish, None, (send, out, final), protections)
     datatype = plan.datatype
-    ctx._engine.post_direct(op, group.comm.Iallreduce, [send, datatype], [out, datatype], plan.mpi_op)
+    ctx.engine.post_direct(op, group.comm.Iallreduce, [send, datatype], [out, datatype], plan.mpi_op)
     return CollectiveTensor(op, wrap_array(final, device), ctx)
 
 
@@ -206,8 +207,8 @@ def _small(ctx: DistributedContext, array: np.ndarray, device: Device, op: Reduc
         finish = partial(codec.decode, out)
     result = wrap_array(out, device)
     comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
-    if ctx._config.check and size > 1:
-        reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
+    if ctx.config.check and size > 1:
+        reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
         record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members)
 
         def post() -> list[Any]:
@@ -215,5 +216,5 @@ def _small(ctx: DistributedContext, array: np.ndarray, device: Device, op: Reduc
 
         return start(ctx, Op("all_reduce", group, array.nbytes, post, finish, record=record, keep=(out,)), result)
     op = Op("all_reduce", group, array.nbytes, None, finish, None, (out,))
-    ctx._engine.post_direct(op, comm.Iallreduce, MPI.IN_PLACE, [out, datatype], mpi_op)
+    ctx.engine.post_direct(op, comm.Iallreduce, MPI.IN_PLACE, [out, datatype], mpi_op)
     return CollectiveTensor(op, result, ctx)

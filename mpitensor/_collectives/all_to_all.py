@@ -36,7 +36,7 @@ def all_to_all(input: Any, *, devices: DevicesArg = None) -> CollectiveTensor:  
     """
     ctx = context_for("all_to_all")
     source = take_input(input, ctx, "all_to_all")
-    group = ctx._group(devices, "all_to_all")
+    group = ctx.group(devices, "all_to_all")
     if source.on_gpu:
         from .gpu_staged import gpu_all_to_all
 
@@ -44,7 +44,7 @@ def all_to_all(input: Any, *, devices: DevicesArg = None) -> CollectiveTensor:  
     protections = source.guard(ctx)
     array = source.buffer
     problem, _ = blocks_or_problem(array.shape, group.size, "all_to_all")
-    out = ctx._pool.empty(array.shape, array.dtype)
+    out = ctx.pool.empty(array.shape, array.dtype)
     result = Tensor(out, result_device(ctx, source))
     comm, datatype = group.comm, mpi_datatype(array.dtype)
 

@@ -23,11 +23,11 @@ def barrier(devices: DevicesArg = None) -> None:
         CollectiveTimeoutError: the context's timeout passed first.
     """
     ctx = current_context()
-    ctx._ensure_usable()
-    group = ctx._group(devices, "barrier")
+    ctx.ensure_usable()
+    group = ctx.group(devices, "barrier")
     record = check_record(ctx, group, Record("barrier", None, None, None, -1, group.members))
     op = Op("barrier", group, 0, post=lambda: [group.comm.Ibarrier()], record=record)
     # A barrier blocks anyway: its whole wait, check included, counts against the timeout.
-    ctx._engine.submit(op, grace=0)
-    ctx._engine.wait(op, ctx.timeout)
+    ctx.engine.submit(op, grace=0)
+    ctx.engine.wait(op, ctx.timeout)
 

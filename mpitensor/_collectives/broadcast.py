@@ -56,7 +56,7 @@ def broadcast(
         CollectiveMismatchError: the ranks disagree on root, shape, dtype or group.
     """
     ctx = context_for("broadcast")
-    group = ctx._group(devices, "broadcast")
+    group = ctx.group(devices, "broadcast")
     root_at = root_rank(ctx, root)
     is_root = root_at == ctx.rank
     if input is None:
@@ -70,7 +70,7 @@ def broadcast(
         out_shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
         out_dtype = transfer_dtype(np.dtype(dtype))
         source = None
-        device = ctx._cpu_device
+        device = ctx.cpu_device
         nbytes = int(np.prod(out_shape, dtype=np.int64)) * out_dtype.itemsize
     else:
         source = take_input(input, ctx, "broadcast")
@@ -81,7 +81,7 @@ def broadcast(
         out_shape, out_dtype = tuple(source.array.shape), source.buffer.dtype
         device = result_device(ctx, source)
         nbytes = source.array.nbytes
-    out = ctx._pool.empty(out_shape, out_dtype)
+    out = ctx.pool.empty(out_shape, out_dtype)
     if is_root:
         assert source is not None
         np.copyto(out, source.buffer)

@@ -15,6 +15,7 @@ from .._core.backend import is_cupy_array
 from .._core.dtypes import transfer_dtype
 from .._core.errors import ContextClosedError, DeviceError
 from .._core.protect import Protection, foreign, restorable
+from .._core.state import open_contexts
 from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DistributedContext
@@ -59,7 +60,8 @@ class CollectiveTensor:
             ValueError: `timeout` is not positive.
         """
         op = self._op
-        if op.state == COMPLETE and (self._resolved or not self._ctx._closed):
+        ctx = self._ctx
+        if op.state == COMPLETE and (self._resolved or not ctx.closed):
             self._resolved = True
             if isinstance(self._value, Later):
                 self._value = op.result
@@ -67,12 +69,12 @@ class CollectiveTensor:
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
-        if self._ctx._closed:
+        if ctx.closed:
             raise ContextClosedError(
                 f"cannot resolve {op.describe()}: its context was closed first "
                 "(close() completed it, but results must be resolved before closing)"
             )
-        self._ctx._engine.wait(op, self._ctx._timeout if timeout is None else timeout_arg(timeout, self._ctx))
+        ctx.engine.wait(op, ctx.timeout if timeout is None else timeout_arg(timeout, ctx))
         self._resolved = True
         if isinstance(self._value, Later):
             self._value = op.result
@@ -94,7 +96,7 @@ class CollectiveTensor:
             raise op.error
         if isinstance(self._value, Later):
             # The result's shape comes from the other ranks: wait for that exchange only.
-            self._ctx._engine.wait_posted(op, self._ctx.timeout)
+            self._ctx.engine.wait_posted(op, self._ctx.timeout)
             if op.state == FAILED:
                 assert op.error is not None
                 raise op.error
@@ -102,14 +104,14 @@ class CollectiveTensor:
         else:
             value = self._value
         if op.state < COMPLETE:
-            self._ctx._engine.protect_outputs(op, value)
+            self._ctx.engine.protect_outputs(op, value)
         return value
 
     def test(self) -> bool:
         """Advance communication without blocking; True once the result is ready."""
         op = self._op
-        if op.state < COMPLETE and not self._ctx._closed:
-            self._ctx._engine.progress()
+        if op.state < COMPLETE and not self._ctx.closed:
+            self._ctx.engine.progress()
         return op.state >= COMPLETE
 
     @property
@@ -181,7 +183,7 @@ class Input:
             return ()
         array = self.array
         if type(array) is np.ndarray and (foreign(array) or (array.flags.writeable and not restorable(array))):
-            self.buffer = ctx._pool.empty(array.shape, array.dtype)
+            self.buffer = ctx.pool.empty(array.shape, array.dtype)
             np.copyto(self.buffer, array)
             self.copied = True
             return ()
@@ -205,13 +207,12 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
         TypeError: not a Tensor or NumPy/CuPy array, or a dtype MPI cannot carry.
         DeviceError: a GPU tensor on another GPU than this rank's.
     """
-    if type(value) is Tensor:
+    kind = type(value)
+    if kind is Tensor or (kind is not np.ndarray and isinstance(value, Tensor)):
+        # Read directly, as all_reduce's small path does: every collective call comes
+        # here, and a property or accessor function would add a call to each.
         tensor, array = value, value._array
-    elif type(value) is np.ndarray:
-        tensor, array = None, value
-    elif isinstance(value, Tensor):
-        tensor, array = value, value._array
-    elif isinstance(value, np.ndarray) or is_cupy_array(value):
+    elif kind is np.ndarray or isinstance(value, np.ndarray) or is_cupy_array(value):
         tensor, array = None, value
     else:
         raise TypeError(
@@ -230,7 +231,7 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
         return Input(tensor, array, cupy.ascontiguousarray(array, dtype=dtype), True, True)
     if array.flags.c_contiguous and dtype == array.dtype:
         return Input(tensor, array, array, False)
-    buffer = ctx._pool.empty(array.shape, dtype)
+    buffer = ctx.pool.empty(array.shape, dtype)
     np.copyto(buffer, array, casting="no" if dtype == array.dtype else "equiv")
     return Input(tensor, array, buffer, True)
 
@@ -246,13 +247,13 @@ def _check_gpu(array: Any, ctx: DistributedContext, what: str) -> None:
 
 def start(ctx: DistributedContext, op: Op, value: Any) -> CollectiveTensor:
     """Submit `op` to the context's engine and wrap it in a handle."""
-    ctx._engine.submit(op)
+    ctx.engine.submit(op)
     return CollectiveTensor(op, value, ctx)
 
 
 def check_record(ctx: DistributedContext, group: Group, record: Record) -> Record | None:
     """`record` if this call is checked (check on, more than one rank), else None."""
-    if ctx._config.check and group.size > 1:
+    if ctx.config.check and group.size > 1:
         return record
     return None
 
@@ -263,10 +264,9 @@ def context_for(what: str) -> DistributedContext:
     Raises:
         NoContextError, ContextClosedError, ContextBrokenError.
     """
-    stack = _state._open
-    ctx = stack[-1] if stack else _state.current()
-    if ctx._closed or ctx._broken is not None:
-        ctx._ensure_usable()
+    ctx = open_contexts[-1] if open_contexts else _state.current()
+    if not ctx.usable:
+        ctx.ensure_usable()
     return ctx
 
 
@@ -280,7 +280,7 @@ def root_rank(ctx: DistributedContext, root: Any) -> int:
     from .._core.device import Device
 
     if isinstance(root, Device):
-        return ctx._rank_of_device(root)
+        return ctx.rank_of_device(root)
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
         raise TypeError(f"root must be a rank (int) or a mpitensor.Device, got {type(root).__name__}")
     return int(root)
@@ -314,7 +314,7 @@ def reduction_input(ctx: DistributedContext, source: Input, plan: Any) -> tuple[
     """
     codec = plan.codec
     if codec is not None:
-        buffer = ctx._pool.empty(source.buffer.shape, plan.work_dtype)
+        buffer = ctx.pool.empty(source.buffer.shape, plan.work_dtype)
         codec.encode(source.buffer, buffer)
         source.buffer = buffer
         source.copied = True
@@ -333,8 +333,8 @@ def reduction_buffers(ctx: DistributedContext, shape: tuple[int, ...], plan: Any
     They are the same array, except for half precision, which is reduced in float32 and
     rounded back into the result by `finish_reduction`.
     """
-    work = ctx._pool.empty(shape, plan.work_dtype)
-    return work, (ctx._pool.empty(shape, plan.out_dtype) if plan.rounds_back else work)
+    work = ctx.pool.empty(shape, plan.work_dtype)
+    return work, (ctx.pool.empty(shape, plan.out_dtype) if plan.rounds_back else work)
 
 
 def finish_reduction(work: np.ndarray, final: np.ndarray, plan: Any, size: int) -> None:
@@ -349,7 +349,7 @@ def finish_reduction(work: np.ndarray, final: np.ndarray, plan: Any, size: int) 
 
 def result_device(ctx: DistributedContext, source: Input) -> Any:
     """The device a host result goes to: the input tensor's, else this rank's CPU."""
-    return source.tensor.device if source.tensor is not None else ctx._cpu_device
+    return source.tensor.device if source.tensor is not None else ctx.cpu_device
 
 
 __all__ += [

@@ -151,10 +151,10 @@ def fused_all_reduce(
     Raises:
         TypeError: a leaf is not a tensor/array, or a CUDA tensor.
     """
-    reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
-    group = ctx._group(devices, kind)
+    reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
+    group = ctx.group(devices, kind)
     keys, values = _flatten(structure)
-    plain = _plain_host_leaves(values, ctx._cpu_device)
+    plain = _plain_host_leaves(values, ctx.cpu_device)
     if plain is not None:
         buffers, devices_out = plain
     else:
@@ -165,7 +165,7 @@ def fused_all_reduce(
 
             return gpu_fused_all_reduce(ctx, structure, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
         buffers = [item.buffer for item in inputs]  # contiguous, of the input's shape
-        devices_out = [item.tensor.device if item.tensor is not None else ctx._cpu_device for item in inputs]
+        devices_out = [item.tensor.device if item.tensor is not None else ctx.cpu_device for item in inputs]
     return _start_fused(ctx, group, structure, keys, buffers, devices_out, reduce_op, bucket_bytes, kind)
 
 
@@ -180,6 +180,8 @@ def _plain_host_leaves(values: list[Any], host: Any) -> tuple[list[np.ndarray], 
     for value in values:
         kind = type(value)
         if kind is Tensor:
+            # Read directly: this runs for every leaf (hundreds per call), where the
+            # `array` and `device` properties would add two calls each.
             array = value._array
             device = value._device
         elif kind is np.ndarray:
@@ -214,14 +216,14 @@ def _start_fused(
             plan = by_dtype[buffer.dtype] = reduce_plan(reduce_op, buffer.dtype)
         plans.append(plan)
     sizes = [buffer.size for buffer in buffers]
-    buckets = plan_buckets(sizes, plans, bucket_bytes or ctx._config.bucket_bytes)
+    buckets = plan_buckets(sizes, plans, bucket_bytes or ctx.config.bucket_bytes)
     outputs: list[Any] = [None] * len(buffers)
     sends, recvs = [], []
     rounding: list[tuple[np.ndarray, np.ndarray]] = []  # half precision: (float32 view, result)
     for bucket in buckets:
         dtype = bucket.plan.work_dtype
-        send = ctx._pool.empty((bucket.elements,), dtype)
-        out = ctx._pool.empty((bucket.elements,), dtype)
+        send = ctx.pool.empty((bucket.elements,), dtype)
+        out = ctx.pool.empty((bucket.elements,), dtype)
         # One C call packs the bucket, flattening each input itself (axis=None);
         # numpy.split would cost more than it saves to unpack.
         np.concatenate([buffers[i] for i in bucket.members], axis=None, out=send, casting="unsafe")
@@ -231,7 +233,7 @@ def _start_fused(
             if buffer.ndim != 1:
                 view = view.reshape(buffer.shape)
             if plans[index].rounds_back:
-                final = ctx._pool.empty(buffer.shape, plans[index].out_dtype)
+                final = ctx.pool.empty(buffer.shape, plans[index].out_dtype)
                 rounding.append((view, final))
                 view = final
             outputs[index] = wrap_array(view, devices[index])
@@ -239,7 +241,7 @@ def _start_fused(
         recvs.append(out)
     result = _rebuild(structure, keys, outputs)
     # Hashing the structure costs per tensor: only a checked call needs it.
-    checked = ctx._config.check and group.size > 1
+    checked = ctx.config.check and group.size > 1
     record = Record(kind, reduce_op, None, (len(buffers), sum(sizes)), -1, group.members,
                     extra=structure_hash(keys, buffers) if checked else 0)
     record.entries = partial(describe_entries, keys, buffers)

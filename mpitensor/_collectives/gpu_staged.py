@@ -556,6 +556,7 @@ class StagedCollective(CollectiveTensor):
     """A host collective on staged copies of GPU inputs; `resolve()` gives GPU results.
 
     Args:
+        ctx: the context.
         inner: the host collective's handle.
         call: the GPU side of the call (device and caller's stream).
         device: the device the results go to.
@@ -565,9 +566,16 @@ class StagedCollective(CollectiveTensor):
     __slots__ = ("_call", "_converted", "_device", "_inner", "_on_gpu")
 
     def __init__(
-        self, inner: CollectiveTensor, call: GpuCall, device: Device, on_gpu: list[bool] | None = None
+        self,
+        ctx: DistributedContext,
+        inner: CollectiveTensor,
+        call: GpuCall,
+        device: Device,
+        on_gpu: list[bool] | None = None,
     ) -> None:
-        super().__init__(inner._op, None, inner._ctx)
+        # A handle of its own kind over the op of the handle it wraps: the one read of a
+        # CollectiveTensor's private slot outside its class, by a subclass, which shares it.
+        super().__init__(inner._op, None, ctx)
         self._inner = inner
         self._call = call
         self._device = device
@@ -648,7 +656,7 @@ def gpu_broadcast(ctx: DistributedContext, source: Input, group: Group, root_at:
     from .broadcast import broadcast
 
     call, host, device = _staged_input(ctx, source)
-    return StagedCollective(broadcast(host, root=root_at, devices=_members(ctx, group)), call, device)
+    return StagedCollective(ctx, broadcast(host, root=root_at, devices=_members(ctx, group)), call, device)
 
 
 def gpu_reduce(
@@ -669,7 +677,7 @@ def gpu_reduce(
     from .reduce import reduce
 
     call, host, device = _staged_input(ctx, source)
-    return StagedCollective(reduce(host, reduce_op, root=root_at, devices=_members(ctx, group)), call, device)
+    return StagedCollective(ctx, reduce(host, reduce_op, root=root_at, devices=_members(ctx, group)), call, device)
 
 
 def gpu_all_gather(ctx: DistributedContext, source: Input, group: Group, axis: int) -> CollectiveTensor:
@@ -687,7 +695,7 @@ def gpu_all_gather(ctx: DistributedContext, source: Input, group: Group, axis: i
     from .all_gather import all_gather
 
     call, host, device = _staged_input(ctx, source)
-    return StagedCollective(all_gather(host, axis=axis, devices=_members(ctx, group)), call, device)
+    return StagedCollective(ctx, all_gather(host, axis=axis, devices=_members(ctx, group)), call, device)
 
 
 def gpu_reduce_scatter(
@@ -707,7 +715,7 @@ def gpu_reduce_scatter(
     from .reduce_scatter import reduce_scatter
 
     call, host, device = _staged_input(ctx, source)
-    return StagedCollective(reduce_scatter(host, reduce_op, devices=_members(ctx, group)), call, device)
+    return StagedCollective(ctx, reduce_scatter(host, reduce_op, devices=_members(ctx, group)), call, device)
 
 
 def gpu_all_to_all(ctx: DistributedContext, source: Input, group: Group) -> CollectiveTensor:
@@ -724,7 +732,7 @@ def gpu_all_to_all(ctx: DistributedContext, source: Input, group: Group) -> Coll
     from .all_to_all import all_to_all
 
     call, host, device = _staged_input(ctx, source)
-    return StagedCollective(all_to_all(host, devices=_members(ctx, group)), call, device)
+    return StagedCollective(ctx, all_to_all(host, devices=_members(ctx, group)), call, device)
 
 
 def gpu_send(ctx: DistributedContext, source: Input, peer: int, tag: int) -> CollectiveTensor:
@@ -742,7 +750,7 @@ def gpu_send(ctx: DistributedContext, source: Input, peer: int, tag: int) -> Col
     from .p2p import send
 
     call, host, device = _staged_input(ctx, source)
-    return StagedCollective(send(host, peer, tag=tag), call, device)
+    return StagedCollective(ctx, send(host, peer, tag=tag), call, device)
 
 
 def gpu_recv(ctx: DistributedContext, peer: int, tag: int, expect: tuple[tuple[int, ...], Any]) -> CollectiveTensor:
@@ -764,7 +772,7 @@ def gpu_recv(ctx: DistributedContext, peer: int, tag: int, expect: tuple[tuple[i
     call = gpu_call(index)
     shape, dtype = expect
     inner = recv(None, peer, shape=shape, dtype=dtype, tag=tag)
-    return StagedCollective(inner, call, Device("cuda", index, ctx.device.rank))
+    return StagedCollective(ctx, inner, call, Device("cuda", index, ctx.device.rank))
 
 
 def gpu_fused_all_reduce(
@@ -809,4 +817,4 @@ def gpu_fused_all_reduce(
     else:
         host_structure = type(structure)(hosts)
     inner = fused_all_reduce(ctx, host_structure, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
-    return StagedCollective(inner, call, device, [item.on_gpu for item in inputs])
+    return StagedCollective(ctx, inner, call, device, [item.on_gpu for item in inputs])

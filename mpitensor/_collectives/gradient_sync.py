@@ -74,7 +74,7 @@ class GradientSync:
             shape, dtype = _spec(name, value)
             specs[name] = (shape, transfer_dtype(dtype))
         self._specs = specs
-        self._group = self._ctx._group(devices, "gradient sync")
+        self._group = self._ctx.group(devices, "gradient sync")
         self._bucket_bytes = bucket_bytes or self._ctx.config.bucket_bytes
         order = list(reversed(specs))  # backward produces the last layer's gradients first
         plans = [reduce_plan(self._op, specs[name][1]) for name in order]
@@ -91,7 +91,7 @@ class GradientSync:
         self._reset()
 
     def _reset(self) -> None:
-        self._sends = [self._ctx._pool.empty((b.elements,), b.plan.work_dtype) for b in self._buckets]
+        self._sends = [self._ctx.pool.empty((b.elements,), b.plan.work_dtype) for b in self._buckets]
         self._missing = [len(b.members) for b in self._buckets]
         self._submitted: set[str] = set()
         self._handles: list[CollectiveTensor | None] = [None] * len(self._buckets)
@@ -142,8 +142,8 @@ class GradientSync:
 
     def _start(self, index: int) -> None:
         bucket = self._buckets[index]
-        out = self._ctx._pool.empty((bucket.elements,), bucket.plan.work_dtype)
-        device = self._ctx._cpu_device
+        out = self._ctx.pool.empty((bucket.elements,), bucket.plan.work_dtype)
+        device = self._ctx.cpu_device
         views = {}
         rounding = []
         for name, offset in zip(self._names[index], bucket.offsets):
@@ -152,7 +152,7 @@ class GradientSync:
             view = out[offset : offset + size].reshape(shape)
             plan = reduce_plan(self._op, dtype)
             if plan.rounds_back:  # half precision, reduced in float32
-                final = self._ctx._pool.empty(shape, plan.out_dtype)
+                final = self._ctx.pool.empty(shape, plan.out_dtype)
                 rounding.append((view, final))
                 view = final
             views[name] = wrap_array(view, device)

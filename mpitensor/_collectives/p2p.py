@@ -85,14 +85,14 @@ def send(input: Any, dest: int | Device, *, tag: int = 0) -> CollectiveTensor:  
     protections = source.guard(ctx)
     data = source.buffer
     header = _header(data.shape, data.dtype)
-    comm, datatype = ctx._p2p.comm, mpi_datatype(data.dtype)
+    comm, datatype = ctx.p2p_group.comm, mpi_datatype(data.dtype)
 
     def post() -> list[Any]:
         return [comm.Isend(header, peer, 2 * tag), comm.Isend([data, datatype], peer, 2 * tag + 1)]
 
     op = Op(
         f"send to rank {peer}",
-        ctx._p2p,
+        ctx.p2p_group,
         data.nbytes,
         post,
         lambda: None,
@@ -109,7 +109,7 @@ class _Receive:
                  device: Device, later: Later) -> None:
         self.ctx, self.peer, self.tag, self.expect, self.device, self.later = ctx, peer, tag, expect, device, later
         self.header = np.empty(_HEADER, np.int64)
-        self.comm = ctx._p2p.comm
+        self.comm = ctx.p2p_group.comm
         self.header_req = self.comm.Irecv(self.header, peer, 2 * tag)
         self.data_req: Any = None
         self.error: Exception | None = None
@@ -120,7 +120,7 @@ class _Receive:
             if not self.header_req.Test():
                 return False
             dtype, shape = _describe(self.header)
-            if self.expect is not None and self.ctx._config.check:
+            if self.expect is not None and self.ctx.config.check:
                 want_shape, want_dtype = self.expect
                 if (tuple(want_shape), np.dtype(want_dtype)) != (shape, dtype):
                     self.error = CollectiveMismatchError(
@@ -129,7 +129,7 @@ class _Receive:
                         f"{tuple(want_shape)} and dtype {np.dtype(want_dtype)}"
                     )
             # The data is received in full even on a mismatch, so no message is left behind.
-            self.data = self.ctx._pool.empty(shape, dtype)
+            self.data = self.ctx.pool.empty(shape, dtype)
             self.data_req = self.comm.Irecv([self.data, mpi_datatype(dtype)], self.peer, 2 * self.tag + 1)
             if self.error is None:
                 self.later.value = Tensor(self.data, self.device)
@@ -179,7 +179,7 @@ def recv(
     peer = _peer(ctx, source, "recv", "source")
     tag = _tag(tag)
     expect = None
-    device = ctx._cpu_device
+    device = ctx.cpu_device
     if input is not None:
         template = take_input(input, ctx, "recv", "the template")
         expect = (template.array.shape, template.buffer.dtype)
@@ -202,5 +202,5 @@ def recv(
     def finish() -> Tensor:
         return receive[0].finish()
 
-    op = Op(f"recv from rank {peer}", ctx._p2p, 0, post, finish)
+    op = Op(f"recv from rank {peer}", ctx.p2p_group, 0, post, finish)
     return start(ctx, op, later)

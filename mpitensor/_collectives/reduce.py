@@ -53,9 +53,9 @@ def reduce(
         CollectiveMismatchError: the ranks disagree on shape, dtype, op, root or group.
     """
     ctx = context_for("reduce")
-    reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
+    reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     source = take_input(input, ctx, "reduce")
-    group = ctx._group(devices, "reduce")
+    group = ctx.group(devices, "reduce")
     root_at = root_rank(ctx, root)
     if source.on_gpu:
         from .gpu_staged import gpu_reduce

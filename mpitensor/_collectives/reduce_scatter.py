@@ -75,9 +75,9 @@ def reduce_scatter(
         CollectiveMismatchError: the ranks disagree on shape, dtype, op or group.
     """
     ctx = context_for("reduce_scatter")
-    reduce_op = ctx._config.all_reduce_op if op is None else parse_op(op)
+    reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     source = take_input(input, ctx, "reduce_scatter")
-    group = ctx._group(devices, "reduce_scatter")
+    group = ctx.group(devices, "reduce_scatter")
     if source.on_gpu:
         from .gpu_staged import gpu_reduce_scatter
 

@@ -64,13 +64,10 @@ class Device:
         if self.kind == "cpu" and self.index != 0:
             raise ValueError(f"a rank has one CPU device, index 0; got index {self.index}")
 
-    def _key(self) -> tuple[int, str, int]:
-        return (-1 if self.rank is None else self.rank, self.kind, self.index)
-
     def __lt__(self, other: object) -> bool:
         if not isinstance(other, Device):
             return NotImplemented
-        return self._key() < other._key()
+        return _order(self) < _order(other)
 
     def __str__(self) -> str:
         where = "" if self.rank is None else f"@rank{self.rank}"
@@ -88,6 +85,11 @@ class Device:
             and self.index == other.index
             and (self.rank is None or other.rank is None or self.rank == other.rank)
         )
+
+
+def _order(device: Device) -> tuple[int, str, int]:
+    """What devices sort by: rank (none first), kind, index."""
+    return (-1 if device.rank is None else device.rank, device.kind, device.index)
 
 
 # Launcher variables, in order of trust; SLURM_LOCALID comes last because it counts tasks

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HostPool", "Lease", "leased_array", "make_lease", "size_class"]
+__all__ = ["HostPool", "Lease", "end_lease", "leased_array", "make_lease", "size_class"]
 
 
 class Lease(np.ndarray):
@@ -30,25 +30,42 @@ class Lease(np.ndarray):
     NumPy lets their write flag be turned off and on again (collectives protect their
     inputs that way); arrays built from an ``__array_interface__`` object would refuse to
     become writable again.
+
+    Attributes:
+        owner: what the block goes back to, through ``owner.give_back(token)``; set on the
+            lease itself only (views of it have neither attribute).
+        token: what identifies the block to its owner.
     """
 
     def __del__(self) -> None:
-        owner = self.__dict__.get("_owner")  # only the lease itself, not views of it
+        owner = self.__dict__.get("owner")  # only the lease itself, not views of it
         if owner is not None:
-            owner._give_back(self.__dict__["_token"])
+            owner.give_back(self.__dict__["token"])
 
 
 def make_lease(memory: np.ndarray, owner: Any, token: Any) -> Lease:
     """A lease over `memory` (a writable uint8 ndarray over one block, made once per block).
 
-    When the lease and every array made from it are gone, ``owner._give_back(token)`` is
-    called; popping ``_owner`` from the lease's ``__dict__`` first cancels that (for owners
-    that take blocks back explicitly).
+    When the lease and every array made from it are gone, ``owner.give_back(token)`` is
+    called; `end_lease` first cancels that (for owners that take blocks back explicitly).
     """
     lease = memory.view(Lease)
-    lease._owner = owner
-    lease._token = token
+    lease.owner = owner
+    lease.token = token
     return lease
+
+
+def end_lease(lease: Lease) -> Any:
+    """Cancel the give-back at `lease`'s end, for an owner that takes its block back at once.
+
+    Args:
+        lease: a lease from `make_lease`.
+
+    Returns:
+        The lease's owner, which the caller then gives the block back to
+        (``owner.give_back(token)``); None if the lease was ended already.
+    """
+    return lease.__dict__.pop("owner", None)
 
 
 def leased_array(lease: Lease, nbytes: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -73,7 +90,7 @@ def _new_block(size: int) -> Any:
     """
     memory = np.empty(size, np.uint8)
     block = (ctypes.c_char * size).from_address(memory.ctypes.data)
-    block._memory = memory
+    block.memory = memory
     return block
 
 
@@ -130,11 +147,16 @@ class HostPool:
         # block is not an ndarray, so the plain view handed out keeps the lease as its base
         # (see `Lease`), in two C calls where `make_lease` and `leased_array` need five.
         lease = _new_array(Lease, shape, dtype, block)
-        lease._owner = self
-        lease._token = block
+        lease.owner = self
+        lease.token = block
         return lease.view(np.ndarray)
 
-    def _give_back(self, block: Any) -> None:
+    def give_back(self, block: Any) -> None:
+        """Take `block` back into the cache (its `Lease` calls it when the lease ends).
+
+        Args:
+            block: the block lent (the lease's ``token``).
+        """
         nbytes = len(block)
         with self._lock:
             if nbytes > self.max_cached_bytes:

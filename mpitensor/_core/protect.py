@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .pool import Lease
-from .tensor import Tensor
+from .tensor import Tensor, tensors_in_flight
 
 __all__ = ["Protection", "foreign", "restorable"]
 
@@ -69,28 +69,41 @@ class Protection:
 
     def __init__(self, tensor: Tensor | None, array: Any) -> None:
         self._tensor = tensor
-        self._array = array if isinstance(array, np.ndarray) else None
-        if tensor is not None:
-            tensor._inflight += 1
-        if self._array is not None:
-            key = id(self._array)
-            with _lock:
+        self._array = array = array if isinstance(array, np.ndarray) else None
+        if tensor is None and array is None:
+            return
+        with _lock:
+            if tensor is not None:
+                key = id(tensor)
+                counted = tensors_in_flight.get(key)
+                if counted is None:
+                    tensors_in_flight[key] = [tensor, 1]
+                else:
+                    counted[1] += 1
+            if array is not None:
+                key = id(array)
                 entry = _locked.get(key)
                 if entry is None:
-                    _locked[key] = [self._array, 1, self._array.flags.writeable]
-                    self._array.flags.writeable = False
+                    _locked[key] = [array, 1, array.flags.writeable]
+                    array.flags.writeable = False
                 else:
                     entry[1] += 1
 
     def release(self) -> None:
         """Lift this protection (idempotent)."""
         tensor, self._tensor = self._tensor, None
-        if tensor is not None:
-            tensor._inflight -= 1
         array, self._array = self._array, None
-        if array is not None:
-            key = id(array)
-            with _lock:
+        if tensor is None and array is None:
+            return
+        with _lock:
+            if tensor is not None:
+                key = id(tensor)
+                counted = tensors_in_flight[key]
+                counted[1] -= 1
+                if counted[1] == 0:
+                    del tensors_in_flight[key]
+            if array is not None:
+                key = id(array)
                 entry = _locked[key]
                 entry[1] -= 1
                 if entry[1] == 0:

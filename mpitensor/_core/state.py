@@ -10,34 +10,37 @@ from typing import Any
 
 from .errors import NoContextError
 
-__all__ = ["current", "current_or_none", "open_count", "pop", "push"]
+__all__ = ["current", "current_or_none", "open_contexts", "open_count", "pop", "push"]
 
 _lock = threading.Lock()
-_open: list[Any] = []
+# The open contexts, innermost last. Collectives read it directly on every call (a
+# function call would cost more than the read); only `push` and `pop` change it, in place,
+# so a reference to it taken at import stays current.
+open_contexts: list[Any] = []
 
 
 def push(ctx: Any) -> None:
     """Record `ctx` as open and current."""
     with _lock:
-        _open.append(ctx)
+        open_contexts.append(ctx)
 
 
 def pop(ctx: Any) -> int:
     """Forget `ctx`; return how many contexts stay open."""
     with _lock:
-        if ctx in _open:
-            _open.remove(ctx)
-        return len(_open)
+        if ctx in open_contexts:
+            open_contexts.remove(ctx)
+        return len(open_contexts)
 
 
 def open_count() -> int:
     """How many contexts are open."""
-    return len(_open)
+    return len(open_contexts)
 
 
 def current_or_none() -> Any:
     """The most recently opened context that is still open, or None."""
-    return _open[-1] if _open else None
+    return open_contexts[-1] if open_contexts else None
 
 
 def current() -> Any:
@@ -46,9 +49,9 @@ def current() -> Any:
     Raises:
         NoContextError: no context is open.
     """
-    if not _open:
+    if not open_contexts:
         raise NoContextError(
             "no DistributedContext is open: call mpitensor.DistributedContext.init() first "
             "(or use it as `with mpitensor.DistributedContext.init() as ctx:`)"
         )
-    return _open[-1]
+    return open_contexts[-1]

@@ -27,6 +27,7 @@ __all__ = [
     "empty",
     "from_numpy",
     "full",
+    "tensors_in_flight",
     "ones",
     "tensor",
     "wrap_array",
@@ -34,6 +35,11 @@ __all__ = [
 ]
 
 ShapeLike = int | Sequence[int]
+
+# The tensors a collective in flight reads or writes: id(tensor) -> [tensor, how many
+# collectives]. Only `Protection` (in protect.py) changes it, under its lock. The tensor is
+# held, so its id cannot become another tensor's while it is listed.
+tensors_in_flight: dict[int, list[Any]] = {}
 
 
 def _this_rank() -> int | None:
@@ -96,6 +102,8 @@ def _device_of_array(array: Any) -> Device:
 
 
 def _unwrap(value: Any) -> Any:
+    # The class's own module reads the slot of another Tensor (an operand): every
+    # operator and ufunc on tensors comes here, and the `array` property would add a call.
     return value._array if isinstance(value, Tensor) else value
 
 
@@ -121,7 +129,7 @@ class Tensor:
         TypeError: `array` is not a NumPy or CuPy ndarray.
     """
 
-    __slots__ = ("__weakref__", "_array", "_device", "_inflight")
+    __slots__ = ("__weakref__", "_array", "_device")
 
     __array_priority__ = 1000
 
@@ -130,7 +138,6 @@ class Tensor:
             raise TypeError(f"Tensor wraps a NumPy or CuPy ndarray, got {type(array).__name__}")
         self._array = array
         self._device = device if device is not None else _device_of_array(array)
-        self._inflight = 0
 
     # -- what the tensor is -------------------------------------------------------------
 
@@ -172,7 +179,7 @@ class Tensor:
     @property
     def in_flight(self) -> bool:
         """True while a collective reads or writes this tensor."""
-        return self._inflight > 0
+        return id(self) in tensors_in_flight
 
     @property
     def T(self) -> Tensor:  # noqa: N802 - NumPy's name
@@ -274,20 +281,11 @@ class Tensor:
             outs = kwargs["out"]
             for out in outs:
                 if isinstance(out, Tensor):
-                    out._check_writable()
+                    _check_writable(out)
             kwargs["out"] = tuple(_unwrap(out) for out in outs)
         args = [_unwrap(value) for value in inputs]
         result = getattr(ufunc, method)(*args, **kwargs)
         return _wrap(result, self._device)
-
-    # -- protection while a collective is in flight -----------------------------------
-
-    def _check_writable(self) -> None:
-        if self._inflight:
-            raise TensorInFlightError(
-                "this tensor is in use by a collective in flight; call resolve() on its "
-                "CollectiveTensor before writing to it"
-            )
 
     # -- indexing ------------------------------------------------------------------------
 
@@ -295,7 +293,7 @@ class Tensor:
         return _wrap(self._array[_unwrap_key(key)], self._device)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._check_writable()
+        _check_writable(self)
         self._array[_unwrap_key(key)] = _unwrap(value)
 
     # -- delegation of everything else to the array ---------------------------------------
@@ -329,6 +327,19 @@ class Tensor:
         return self.__copy__()
 
 
+def _check_writable(tensor: Tensor) -> None:
+    """Refuse a write to `tensor` while a collective in flight reads or writes it.
+
+    Raises:
+        TensorInFlightError: a collective is in flight on it.
+    """
+    if tensors_in_flight and id(tensor) in tensors_in_flight:
+        raise TensorInFlightError(
+            "this tensor is in use by a collective in flight; call resolve() on its "
+            "CollectiveTensor before writing to it"
+        )
+
+
 _new_tensor = object.__new__
 
 
@@ -345,10 +356,11 @@ def wrap_array(array: Any, device: Device) -> Tensor:
     Returns:
         The tensor.
     """
+    # The class's own module fills the slots of a tensor made without __init__ (and its
+    # checks): the one way to build a tensor without the cost of a constructor call.
     result = _new_tensor(Tensor)
     result._array = array
     result._device = device
-    result._inflight = 0
     return result
 
 
@@ -378,7 +390,7 @@ def _binary(op: Callable[[Any, Any], Any], reflected: bool) -> Callable[[Tensor,
 
 def _inplace(op: Callable[[Any, Any], Any]) -> Callable[[Tensor, Any], Tensor]:
     def method(self: Tensor, other: Any) -> Tensor:
-        self._check_writable()
+        _check_writable(self)
         self._array = op(self._array, _unwrap(other))
         return self
 

@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._core import mpi as _mpi
 from .._core import state as _state
@@ -45,11 +45,38 @@ class DistributedContext:
 
     Create it with `DistributedContext.init` (every participating rank calls it with the
     same arguments); close it with `close()` or by leaving a ``with`` block.
+
+    Attributes:
+        config: the settings (`DistributedConfig`). Read-only, as are `timeout` and
+            `closed`: they are plain attributes because collectives read them on every
+            call.
+        timeout: the default timeout of `CollectiveTensor.resolve` in seconds (the
+            config's, or ``MPITENSOR_TIMEOUT``), or None to wait forever.
+        closed: True after `close()` (or after leaving a ``with`` block).
+
+    Internal interface: the names below are how mpitensor's own modules use a context.
+    They are not part of the public API and may change in any release.
+
+    - ``engine``: the `Engine` that runs the context's collectives.
+    - ``pool``: the `HostPool` that host buffers come from.
+    - ``cpu_device``: this rank's CPU `Device` (the device of host results).
+    - ``full_group``: the `Group` of every rank, for collectives; ``p2p_group``: the one
+      for point-to-point messages, apart so that they never queue behind collectives.
+    - ``groups``: every collective `Group` created so far, by its members' ranks.
+    - ``diagnosis``: the group-mismatch `Diagnosis`, or None (check off, or one rank);
+      ``diag_comm``: the communicator its notes travel on.
+    - ``usable``: False once the context is closed or broken (``ensure_usable()`` then
+      raises the error that says which); collectives read it on every call.
+    - ``owner_thread``, ``owner_thread_name``: the thread that opened the context, the only
+      one that may call its collectives.
+    - ``group(devices, doing)``, ``rank_of_device(device)``, ``ensure_usable()``,
+      ``mark_broken(reason)``: see their docstrings.
     """
 
     def __init__(self, *, _private: object = None) -> None:
-        if _private is not _INIT_TOKEN:
+        if type(_private) is not _InitArgs:
             raise TypeError("use DistributedContext.init(devices=None, config=None) to create a context")
+        self._setup(*_private)
 
     # -- creation ------------------------------------------------------------------------
 
@@ -81,22 +108,21 @@ class DistributedContext:
             raise TypeError(f"config must be a DistributedConfig, got {type(config).__name__}")
         timeout = config.resolved_timeout()
         thread_level = _mpi.ensure_initialized()
-        ctx = cls(_private=_INIT_TOKEN)
-        ctx._setup(devices, config, thread_level, timeout)
-        return ctx
+        return cls(_private=_InitArgs(devices, config, thread_level, timeout))
 
     def _setup(self, devices: DevicesArg, config: DistributedConfig, thread_level: int, timeout: float | None) -> None:
         world = MPI.COMM_WORLD
         world_rank, world_size = world.Get_rank(), world.Get_size()
         members, chosen = _parse_init_devices(devices, world_rank, world_size)
-        self._config = config
-        self._timeout = timeout
+        self.config = config
+        self.timeout = timeout
         self._thread_level = thread_level
-        self._closed = False
-        self._broken: str | None = None
+        self.closed = False
+        self._broken: str | None = None  # why the context is broken
+        self.usable = True  # neither closed nor broken: what collectives check on every call
         self.owner_thread = threading.get_ident()  # the one thread that may call collectives
         self.owner_thread_name = threading.current_thread().name
-        self._groups: dict[tuple[int, ...], Group] = {}
+        self.groups: dict[tuple[int, ...], Group] = {}
         if len(members) == world_size:
             comm = world.Dup()
         else:
@@ -136,18 +162,18 @@ class DistributedContext:
         self._hosts = tuple(row[2] for row in everyone)
         self._local_ranks = tuple(row[3] for row in everyone)
         self._device = self._devices[self._rank]
-        self._cpu_device = self._device if device.kind == "cpu" else Device("cpu", 0, world_rank)
-        self._diag_comm = comm.Dup()
+        self.cpu_device = self._device if device.kind == "cpu" else Device("cpu", 0, world_rank)
+        self.diag_comm = comm.Dup()
         full = tuple(range(self._size))
-        self._full = Group(full, comm.Dup(), comm.Dup(), comm.Dup())
-        self._groups[full] = self._full
+        self.full_group = Group(full, comm.Dup(), comm.Dup(), comm.Dup())
+        self.groups[full] = self.full_group
         # Point-to-point messages travel apart from collectives and never queue behind them.
-        self._p2p = Group(full, comm.Dup(), MPI.COMM_NULL)
-        self._engine = Engine(self)
-        self._pool = _host_pool
-        self._diagnosis = Diagnosis(self) if config.check and self._size > 1 else None
+        self.p2p_group = Group(full, comm.Dup(), MPI.COMM_NULL)
+        self.engine = Engine(self)
+        self.pool = _host_pool
+        self.diagnosis = Diagnosis(self) if config.check and self._size > 1 else None
         if self._size > 1 and _progress_wanted(config, thread_level, self._spare_cores(), self._device.kind):
-            self._engine.progress_thread = ProgressThread(self._engine)
+            self.engine.progress_thread = ProgressThread(self.engine)
         _state.push(self)
         if config.fail_fast:
             _failfast.arm()
@@ -173,16 +199,6 @@ class DistributedContext:
     def devices(self) -> tuple[Device, ...]:
         """Every participating device, one per rank, in rank order."""
         return self._devices
-
-    @property
-    def config(self) -> DistributedConfig:
-        """The settings."""
-        return self._config
-
-    @property
-    def timeout(self) -> float | None:
-        """The default timeout of `resolve()` in seconds (config or ``MPITENSOR_TIMEOUT``)."""
-        return self._timeout
 
     @property
     def local_rank(self) -> int:
@@ -221,17 +237,12 @@ class DistributedContext:
         return _mpi.thread_level_name(self._thread_level)
 
     @property
-    def closed(self) -> bool:
-        """True after `close()`."""
-        return self._closed
-
-    @property
     def broken(self) -> bool:
         """True after a collective timed out (see `CollectiveTimeoutError`)."""
         return self._broken is not None
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("broken" if self._broken else "open")
+        state = "closed" if self.closed else ("broken" if self._broken else "open")
         return f"DistributedContext(rank={self._rank}, size={self._size}, device={self._device}, {state})"
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -262,10 +273,10 @@ class DistributedContext:
             CollectiveTimeoutError: the collectives in flight did not complete within the
                 context's timeout (the context is then broken and stays unclosed).
         """
-        if self._closed:
+        if self.closed:
             return
         if self._broken is None:
-            self._engine.drain(self._timeout)
+            self.engine.drain(self.timeout)
             if self._size > 1:
                 self._say_goodbye()
         # A broken context keeps its communicators (a collective stuck on them is still in
@@ -273,7 +284,8 @@ class DistributedContext:
         self._stop_progress()
         if self._broken is None:
             self._free()
-        self._closed = True
+        self.closed = True
+        self.usable = False
         remaining = _state.pop(self)
         if self._broken is None and _mpi.release(remaining):
             _failfast.disarm_left_contexts()
@@ -285,22 +297,23 @@ class DistributedContext:
         collective instead, the peer raises `CollectiveMismatchError` naming this rank
         instead of waiting for it forever (and its context can run no more collectives).
         """
-        record = Record(CLOSE_KIND, None, None, None, -1, self._full.members, per_rank=-(self._rank + 1))
-        op = self._engine.post_stand_in(CLOSE_KIND, self._full, record)
+        record = Record(CLOSE_KIND, None, None, None, -1, self.full_group.members, per_rank=-(self._rank + 1))
+        op = self.engine.post_stand_in(CLOSE_KIND, self.full_group, record)
         try:
-            self._engine.wait(op, self._timeout)
+            self.engine.wait(op, self.timeout)
         except CollectiveMismatchError:
             pass  # peers were in a collective: they have been told
 
     def _leave_on_exception(self) -> None:
         """Close without waiting on peers: an exception is propagating."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
+        self.usable = False
         self._stop_progress()
-        self._engine.progress()
-        if self._engine.busy():
-            _abandoned.append(self._engine)
+        self.engine.progress()
+        if self.engine.busy():
+            _abandoned.append(self.engine)
         else:
             self._free()
         _state.pop(self)
@@ -331,58 +344,70 @@ class DistributedContext:
         return len(usable) - self._local_size
 
     def _stop_progress(self) -> None:
-        thread = self._engine.progress_thread
+        thread = self.engine.progress_thread
         if thread is not None:
             thread.stop()
 
     @property
     def progress(self) -> bool:
         """True if a progress thread drives communication while the program computes."""
-        return self._engine.progress_thread is not None
+        return self.engine.progress_thread is not None
 
     def _mpi_handles(self) -> list[Any]:
         """Every communicator the context created (for checks that close() frees them)."""
-        comms = [self._diag_comm, self._local_comm, self._comm, self._p2p.comm]
-        for group in self._groups.values():
+        comms = [self.diag_comm, self._local_comm, self._comm, self.p2p_group.comm]
+        for group in self.groups.values():
             comms += [group.comm, group.check_comm, group.detail_comm]
         return comms
 
     def _free(self) -> None:
-        if self._diagnosis is not None:
-            self._diagnosis.free()
-        self._p2p.free()
-        for group in self._groups.values():
+        if self.diagnosis is not None:
+            self.diagnosis.free()
+        self.p2p_group.free()
+        for group in self.groups.values():
             group.free()
-        self._groups.clear()
-        for comm in (self._diag_comm, self._local_comm, self._comm):
+        self.groups.clear()
+        for comm in (self.diag_comm, self._local_comm, self._comm):
             if comm != MPI.COMM_NULL:
                 comm.Free()
 
     def _ensure_open(self) -> None:
-        if self._closed:
+        if self.closed:
             raise ContextClosedError("this DistributedContext is closed; open a new one with DistributedContext.init()")
 
-    def _ensure_usable(self) -> None:
+    def ensure_usable(self) -> None:
+        """Raise unless collectives may run (internal: collectives call it when ``usable`` is False).
+
+        Raises:
+            ContextClosedError: the context is closed.
+            ContextBrokenError: the context is broken (a collective timed out or MPI failed).
+        """
         self._ensure_open()
         if self._broken is not None:
             raise ContextBrokenError(f"this DistributedContext is broken: {self._broken}")
 
-    def _mark_broken(self, reason: str) -> None:
+    def mark_broken(self, reason: str) -> None:
+        """Break the context for good, for `reason` (internal: the first reason is kept).
+
+        Args:
+            reason: what broke it, as the sentence `ContextBrokenError` will quote.
+        """
         if self._broken is None:
             self._broken = reason
+            self.usable = False
             _mpi.note_broken(reason.partition(":")[0])
-
-    def _diagnose_wait(self, op: Any, waited: float) -> None:
-        """Hook for the deadlock diagnosis while this rank waits (see `diagnosis`)."""
-        if self._diagnosis is not None:
-            self._diagnosis.on_wait(op, waited)
 
     # -- groups -------------------------------------------------------------------------------
 
-    def _group(self, devices: DevicesArg, doing: str = "a collective") -> Group:
-        """The group `devices` name (the whole context when None), created on first use.
+    def group(self, devices: DevicesArg, doing: str = "a collective") -> Group:
+        """The group `devices` name (the whole context when None), created on first use (internal).
 
-        `doing` names the calling operation, for the group-mismatch diagnosis.
+        Args:
+            devices: devices (from ``ctx.devices``) or their ranks; None for every rank.
+            doing: the calling operation, for the group-mismatch diagnosis.
+
+        Returns:
+            The `Group`, with its communicators.
 
         Raises:
             TypeError: `devices` is not a sequence of Devices or ints.
@@ -390,14 +415,12 @@ class DistributedContext:
             DeviceError: a device that is not in this context.
         """
         if devices is None:
-            return self._full
+            return self.full_group
         members = self._members(devices)
-        group = self._groups.get(members)
+        group = self.groups.get(members)
         if group is None:
             group = self._create_group(members, doing)
         return group
-
-    group_of = _group
 
     def _members(self, devices: DevicesArg) -> tuple[int, ...]:
         if isinstance(devices, (Device, int, str)) or not isinstance(devices, Sequence):
@@ -408,7 +431,7 @@ class DistributedContext:
         ranks = []
         for item in devices:
             if isinstance(item, Device):
-                ranks.append(self._rank_of_device(item))
+                ranks.append(self.rank_of_device(item))
             else:
                 try:
                     rank = operator.index(item)
@@ -429,7 +452,12 @@ class DistributedContext:
             )
         return members
 
-    def _rank_of_device(self, device: Device) -> int:
+    def rank_of_device(self, device: Device) -> int:
+        """`device`'s rank in the context (internal).
+
+        Raises:
+            DeviceError: `device` is not one of the context's devices.
+        """
         if device.rank is not None:
             for rank, candidate in enumerate(self._devices):
                 if candidate == device:
@@ -440,23 +468,29 @@ class DistributedContext:
         )
 
     def _create_group(self, members: tuple[int, ...], doing: str) -> Group:
-        if self._diagnosis is not None:
-            self._diagnosis.before_create(members, doing)
+        if self.diagnosis is not None:
+            self.diagnosis.before_create(members, doing)
         mpi_group = self._comm.Get_group().Incl(list(members))
         try:
             comm = self._comm.Create_group(mpi_group, _tag_for(members))
         finally:
             mpi_group.Free()
         group = Group(members, comm, comm.Dup(), comm.Dup())
-        self._groups[members] = group
+        self.groups[members] = group
         return group
 
     def group_count(self) -> int:
         """How many groups (each with its communicators) the context has created."""
-        return len(self._groups)
+        return len(self.groups)
 
 
-_INIT_TOKEN = object()
+class _InitArgs(NamedTuple):
+    """What `DistributedContext.init` hands the constructor (only it can make one)."""
+
+    devices: DevicesArg
+    config: DistributedConfig
+    thread_level: int
+    timeout: float | None
 
 
 def _progress_wanted(config: DistributedConfig, thread_level: int, spare_cores: int, kind: str) -> bool:

@@ -68,12 +68,12 @@ class Diagnosis:
     """The group-mismatch diagnosis of one context.
 
     Args:
-        ctx: the context; its ``_diag_comm`` carries the notes.
+        ctx: the context; its ``diag_comm`` carries the notes.
     """
 
     def __init__(self, ctx: DistributedContext) -> None:
         self.ctx = ctx
-        self.comm = ctx._diag_comm
+        self.comm = ctx.diag_comm
         self.me = ctx.rank
         self.notes: dict[int, dict[str, Any]] = {}  # peer -> its latest BLOCKED note
         self.hellos: dict[tuple[tuple[int, ...], int], dict[int, dict[str, Any] | None]] = {}
@@ -107,7 +107,7 @@ class Diagnosis:
         (0 waits for 1, 1 for 2, 2 for 0) is seen only by combining every rank's wait.
         The note is sent again when what this rank has posted changes (after a fill).
         """
-        posted = {members: group.check_seq for members, group in self.ctx._groups.items()}
+        posted = {members: group.check_seq for members, group in self.ctx.groups.items()}
         key = (wait, tuple(sorted(posted.items())), tuple(sorted(self.attempts.items())))
         if key in self.reported:
             return
@@ -124,8 +124,8 @@ class Diagnosis:
     def _has_posted(self, wait: Wait) -> bool:
         """True if this rank has done its part of `wait` (so it is not what blocks it)."""
         if wait.creating:
-            return wait.members in self.ctx._groups or self.attempts.get(wait.members, 0) > wait.seq
-        group = self.ctx._groups.get(wait.members)
+            return wait.members in self.ctx.groups or self.attempts.get(wait.members, 0) > wait.seq
+        group = self.ctx.groups.get(wait.members)
         return group is not None and group.check_seq > wait.seq
 
     def _peer_has_posted(self, peer: int, note: dict[str, Any], wait: Wait) -> bool:
@@ -198,10 +198,10 @@ class Diagnosis:
                                                 "abandon": {**mine.as_note(), "cycle": self.cycle}})
             self.attempts[theirs.members] = theirs.seq + 1
             return
-        group = self.ctx._groups[theirs.members]
+        group = self.ctx.groups[theirs.members]
         while group.check_seq <= theirs.seq:
             record = AbandonRecord(theirs.members, mine.members, mine.seq, mine.creating, mine.doing, self.cycle)
-            self.ctx._engine.post_abandon(group, record)
+            self.ctx.engine.post_abandon(group, record)
 
     def answer(self, peer: int, waiting: Waiting, mine: Wait) -> None:
         """A peer abandoned this rank's check; fill in the wait its record names.
@@ -237,7 +237,7 @@ class Diagnosis:
     def _target(self, op: Op | None) -> Op | None:
         """The check this wait depends on: the op's own, or the one ahead of it."""
         candidates = [op] if op is not None else []
-        candidates += [g.queue[0] for g in self.ctx._engine.waiting_groups if g.queue]
+        candidates += [g.queue[0] for g in self.ctx.engine.waiting_groups if g.queue]
         for candidate in candidates:
             if candidate.state == CHECKING:
                 return candidate
@@ -299,12 +299,12 @@ class Diagnosis:
                     f"creating the communicator of group {list(members)} did not complete within "
                     f"{timeout:g} s: not every member called a collective on it"
                 )
-                self.ctx._mark_broken(message)
+                self.ctx.mark_broken(message)
                 raise CollectiveTimeoutError(message)
             if waited >= DIAG_AFTER:
                 self._report(mine)
                 self._settle(mine)
-            self.ctx._engine.progress()
+            self.ctx.engine.progress()
             backoff.pause()
         self.attempts[members] = attempt + 1
         self.hellos.pop((members, attempt), None)

@@ -240,8 +240,8 @@ class Engine:
             CollectiveMismatchError: the check completed within the grace and disagreed.
         """
         ctx = self.ctx
-        if ctx._broken is not None or ctx._closed:
-            ctx._ensure_usable()
+        if not ctx.usable:
+            ctx.ensure_usable()
         group = op.group
         with self.lock:
             if op.record is None and not group.queue:
@@ -273,8 +273,8 @@ class Engine:
             ContextBrokenError: MPI refused to start it (the context is then broken).
         """
         ctx = self.ctx
-        if ctx._broken is not None or ctx._closed:
-            ctx._ensure_usable()
+        if not ctx.usable:
+            ctx.ensure_usable()
         with self.lock:
             direct = not op.group.queue
             if direct:
@@ -368,7 +368,7 @@ class Engine:
         """
         error = departure_error(departed, op.group.members, op.name)
         if op.name != CLOSE_KIND:  # the closing rank itself goes on closing
-            self.ctx._mark_broken(str(error))
+            self.ctx.mark_broken(str(error))
         op.error = error
         self._fail(op)
 
@@ -385,7 +385,7 @@ class Engine:
 
     def _answer_abandoners(self, op: Op, details: list[dict[str, Any]]) -> None:
         """Members that abandoned this check are stuck elsewhere waiting for this rank."""
-        diagnosis = self.ctx._diagnosis
+        diagnosis = self.ctx.diagnosis
         if diagnosis is None or op.record is None or op.record.kind == ABANDONED_KIND:
             return
         from .diagnosis import Wait
@@ -410,7 +410,7 @@ class Engine:
             started = op.post(op.gathered) if op.exchange else op.post()
         except MPI.Exception as exc:
             message = f"MPI failed to start {op.describe()}: {exc}"
-            self.ctx._mark_broken(message)
+            self.ctx.mark_broken(message)
             op.error = ContextBrokenError(message)
             self._fail(op)
             return
@@ -513,7 +513,7 @@ class Engine:
         if op is not None:
             what = op.describe()
         message = f"MPI failed in {what} on rank {self.ctx.rank}: {exc}"
-        self.ctx._mark_broken(message)
+        self.ctx.mark_broken(message)
         return ContextBrokenError(message)
 
     def _complete(self, op: Op) -> None:
@@ -578,7 +578,7 @@ class Engine:
             leaves = value.values() if isinstance(value, dict) else value
             if isinstance(value, Tensor) or value is None:
                 leaves = [value]
-            added = tuple(Protection(t, t._array) for t in leaves if isinstance(t, Tensor) and not t.in_flight)
+            added = tuple(Protection(t, t.array) for t in leaves if isinstance(t, Tensor) and not t.in_flight)
             op.protections = (*op.protections, *added)
 
     def busy(self) -> bool:
@@ -659,11 +659,12 @@ class Engine:
         thread = self.progress_thread
         if thread is not None and thread.error is not None:
             message = f"the progress thread failed: {thread.error!r}"
-            self.ctx._mark_broken(message)
+            self.ctx.mark_broken(message)
             raise ContextBrokenError(message) from thread.error
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         backoff = _Backoff()
+        diagnosis = self.ctx.diagnosis
         while True:
             self.progress()
             if done():
@@ -671,10 +672,11 @@ class Engine:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 self._timed_out(op, timeout, now - start)
-            try:
-                self.ctx._diagnose_wait(op, now - start)
-            except MPI.Exception as exc:
-                raise self.mpi_failed(exc, op, "the group-mismatch diagnosis") from exc
+            if diagnosis is not None:
+                try:
+                    diagnosis.on_wait(op, now - start)
+                except MPI.Exception as exc:
+                    raise self.mpi_failed(exc, op, "the group-mismatch diagnosis") from exc
             backoff.pause()
 
     def _timed_out(self, op: Op | None, timeout: float | None, waited: float) -> None:
@@ -691,7 +693,7 @@ class Engine:
             "started collective, so this context is now broken: further use raises "
             "ContextBrokenError; call ctx.abort() to end the job."
         )
-        self.ctx._mark_broken(message)
+        self.ctx.mark_broken(message)
         raise CollectiveTimeoutError(message)
 
 

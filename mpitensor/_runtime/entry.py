@@ -25,9 +25,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .._core import state as _state
 from .._core.errors import DeviceError, MpitensorError, ThreadMisuseError
 from .._core.mpi import MPI
+from .._core.state import open_contexts
 from .check import Record
 
 __all__ = ["collective_entry"]
@@ -50,13 +50,12 @@ def collective_entry(kind: str) -> Callable[[F], F]:
 
         @functools.wraps(function)
         def entry(*args: Any, **kwargs: Any) -> Any:
-            stack = _state._open
-            if not stack:
+            if not open_contexts:
                 return function(*args, **kwargs)
-            ctx = stack[-1]
+            ctx = open_contexts[-1]
             if threading.get_ident() != ctx.owner_thread:
                 raise _thread_error(kind, ctx)
-            engine = ctx._engine
+            engine = ctx.engine
             posted = engine.checks_posted
             try:
                 return function(*args, **kwargs)
@@ -89,16 +88,16 @@ def _take_failed_turn(ctx: Any, kind: str, devices: Any, exc: BaseException) -> 
     if ctx.closed or ctx.broken:
         return
     try:
-        group = ctx.group_of(devices, kind)
+        group = ctx.group(devices, kind)
     except Exception as lookup_error:
         if not _is_local(lookup_error):
             return  # the group could not be created with the peers: they learnt of it there
-        group = ctx.group_of(None, kind)
+        group = ctx.group(None, kind)
     if group.size < 2:
         return
     record = Record(kind, None, None, None, -1, group.members)
     record.failure = f"{type(exc).__name__}: {exc}"
-    ctx._engine.post_stand_in(f"failed {kind}", group, record)
+    ctx.engine.post_stand_in(f"failed {kind}", group, record)
 
 
 def _thread_error(kind: str, ctx: Any) -> ThreadMisuseError:

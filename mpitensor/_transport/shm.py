@@ -350,7 +350,7 @@ def shared_memory_post(
         The result array and the post function, or None.
     """
     # Cheapest tests first: this runs on every all-reduce, small ones included.
-    if not may_apply(ctx._config, send.nbytes):
+    if not may_apply(ctx.config, send.nbytes):
         return None
     state = group.extra.get(_EXTRA_KEY)
     if state is None:
@@ -368,7 +368,7 @@ def shared_memory_post(
     out, block = state.lease_result(send.shape, send.dtype, ctx)
     # With a progress thread and a core to spare, the copies and reductions run there,
     # beside the program's compute; otherwise they start at once, in the call.
-    start_now = state.oversubscribed or getattr(ctx._engine, "progress_thread", None) is None
+    start_now = state.oversubscribed or getattr(ctx.engine, "progress_thread", None) is None
 
     def post() -> Stepper:
         stepper = _AllReduce(state, send, out, block, ufunc, plan)
@@ -552,7 +552,7 @@ class _GroupState:
                 self.failed_local = True
             else:
                 return np.asarray(_Lease(self.arena, block, tuple(shape), dtype)), block
-        return ctx._pool.empty(shape, dtype), None
+        return ctx.pool.empty(shape, dtype), None
 
     def cma_buffer(self, index: int, dtype: np.dtype) -> np.ndarray:
         """This rank's piece-sized buffer for reading node peer number `index`."""

@@ -38,7 +38,7 @@ def test_a_large_collective_completes_while_the_program_computes():
         while pending._op.state != COMPLETE and time.monotonic() < deadline:
             np.sin(np.arange(20_000.0))  # compute (releases the GIL)
         assert pending._op.state == COMPLETE, "the collective did not advance during compute"
-        assert ctx._engine.progress_thread.running
+        assert ctx.engine.progress_thread.running
         np.testing.assert_array_equal(pending.resolve().numpy(), np.full(BIG, float(ctx.size), np.float32))
 
 
@@ -46,4 +46,4 @@ def test_small_collectives_do_not_wake_the_thread():
     with mt.DistributedContext.init(config=mt.DistributedConfig(progress=True)) as ctx:
         for _ in range(20):
             mt.all_reduce(np.ones(16)).resolve()
-        assert not ctx._engine.progress_thread.running
+        assert not ctx.engine.progress_thread.running

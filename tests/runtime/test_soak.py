@@ -101,7 +101,7 @@ with mt.DistributedContext.init() as ctx:
                 check(got, want, op_, n_)
     gc.collect()
     growth = resident() - start
-    engine = ctx._engine
+    engine = ctx.engine
     assert not engine.busy() and not engine.posted
     handles = ctx._mpi_handles()
 report("growth_mb", growth / 2**20)

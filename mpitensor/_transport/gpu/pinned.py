@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..._core.pool import leased_array, make_lease
+from ..._core.pool import end_lease, leased_array, make_lease
 
 __all__ = ["Allocator", "PinnedBlock", "PinnedBuffer", "PinnedPool", "pinned_pool"]
 
@@ -142,9 +142,9 @@ class PinnedBuffer:
         """
         if event is not None:
             self._block.pending = event
-        owner = self._lease.__dict__.pop("_owner", None)
+        owner = end_lease(self._lease)
         if owner is not None:
-            owner._give_back(self._block)
+            owner.give_back(self._block)
 
 
 class PinnedPool:
@@ -207,7 +207,15 @@ class PinnedPool:
             block = PinnedBlock(ptr, size, free)
         return PinnedBuffer(self, block, shape, dtype)
 
-    def _give_back(self, block: PinnedBlock) -> None:
+    def give_back(self, block: PinnedBlock) -> None:
+        """Take `block` back into the cache, or free it beyond ``max_cached_bytes``.
+
+        Its lease calls it when the last array over the block is gone, or `PinnedBuffer.release`
+        does at once.
+
+        Args:
+            block: the block lent.
+        """
         dropped: list[PinnedBlock] = []
         with self._lock:
             if block.nbytes > self.max_cached_bytes:

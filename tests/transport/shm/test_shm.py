@@ -87,14 +87,14 @@ def via_shared_memory(result) -> bool:
 
 def reduce_fast(ctx, array: np.ndarray, op: OP, members=None) -> np.ndarray:
     """All-reduce `array` through the fast path's op, whatever its size (as all_reduce would)."""
-    group = ctx._group(members)
+    group = ctx.group(members)
     plan = reduce_plan(op, array.dtype)
     send = np.array(array, dtype=plan.work_dtype, order="C")
     fast = _shm.shared_memory_post(ctx, group, send, plan)
     assert fast is not None, "the fast path declined"
     op_ = Op("all_reduce", group, send.nbytes, fast.post, None, keep=(send, fast.out))
-    ctx._engine.submit(op_)
-    ctx._engine.wait(op_, 60)
+    ctx.engine.submit(op_)
+    ctx.engine.wait(op_, 60)
     assert via_shared_memory(fast.out)
     if plan.divide:
         np.true_divide(fast.out, group.size, out=fast.out)
@@ -102,7 +102,7 @@ def reduce_fast(ctx, array: np.ndarray, op: OP, members=None) -> np.ndarray:
 
 
 def group_state(ctx, members=None):
-    group = ctx._group(None if members is None else members)
+    group = ctx.group(None if members is None else members)
     return group.extra.get("shared_memory")
 
 
@@ -241,7 +241,7 @@ def test_hierarchical_equals_reference(monkeypatch, op, node_size, reads):
     pseudo_nodes(monkeypatch, node_size)
     seed = seed_of("hier", op.name, node_size)
     with mt.DistributedContext.init(config=FAST) as ctx:
-        layout = _shm.node_layout(ctx, ctx._group(None))
+        layout = _shm.node_layout(ctx, ctx.group(None))
         if all(len(node) == 1 for node in layout):
             # One rank per node: nothing to share, the plain path runs.
             result = mt.all_reduce(np.ones(10), op).resolve()
