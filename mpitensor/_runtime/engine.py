@@ -59,7 +59,7 @@ _STATE_NAMES = ("checking", "queued", "posted", "complete", "failed")
 _AGREE, _PER_RANK, _DETAIL_SIZES, _DETAIL = 1, 2, 3, 4
 
 _REAP_AFTER = 64  # posted ops beyond which each new one reaps the oldest completed ones
-_MAX_POSTED = 512  # posted ops beyond which a new one waits for the oldest
+_MAX_POSTED = 256  # posted ops beyond which a new one waits for the oldest
 
 
 def _unpack_details(data: np.ndarray, sizes: list[int]) -> list[dict[str, Any]]:
