@@ -80,7 +80,7 @@ job_processes() {
   local dir pid env
   for dir in /proc/[0-9]*; do
     pid=${dir#/proc/}
-    env=$(tr '\0' '\n' < "$dir/environ" 2>/dev/null) || continue
+    env=$(tr '\0' '\n' 2>/dev/null < "$dir/environ") || continue
     grep -qxF "SLURM_CONF=$SLURM_CONF" <<< "$env" || continue
     if grep -q '^SLURM_JOB_ID=' <<< "$env" || [ "$(cat "$dir/comm" 2>/dev/null)" = slurmstepd ]; then
       echo "$pid"
