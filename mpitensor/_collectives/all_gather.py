@@ -46,11 +46,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
         return gpu_all_gather(ctx, source, group, axis)
     protections = source.guard(ctx)
     array = source.buffer if source.buffer.ndim else source.buffer.reshape(1)
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"all_gather: axis must be an int, got {type(axis).__name__}")
-    if not -array.ndim <= axis < array.ndim:
-        raise ValueError(f"all_gather: axis {axis} is out of range for a tensor of {array.ndim} dimension(s)")
-    axis = int(axis) % array.ndim
+    axis = _axis(axis, array.ndim)
     moved = np.moveaxis(array, axis, 0)
     if axis:
         send = ctx.pool.empty(moved.shape, moved.dtype)
@@ -64,9 +60,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
     record = Record("all_gather", None, array.dtype, tuple(template), -1, group.members, per_rank=length, extra=axis)
     datatype = mpi_datatype(array.dtype)
     block = int(np.prod(rest, dtype=np.int64))
-    later = Later()
-    device = result_device(ctx, source)
-    comm = group.comm
+    later, device, comm = Later(), result_device(ctx, source), group.comm
 
     def post(lengths: list[int]) -> list[Any]:
         gathered = ctx.pool.empty((sum(lengths), *rest), array.dtype)
@@ -78,16 +72,20 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
         displacements = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
         return [comm.Iallgatherv([send, datatype], [gathered, counts, displacements, datatype])]
 
-    op = Op(
-        "all_gather",
-        group,
-        send.nbytes,
-        post,
-        lambda: later.value,
-        record=record,
-        keep=(send,),
-        protections=protections,
-        exchange=True,
-        compare=ctx.config.check,
-    )
+    op = Op("all_gather", group, send.nbytes, post, lambda: later.value, record=record, keep=(send,),
+            protections=protections, exchange=True, compare=ctx.config.check)
     return start(ctx, op, later)
+
+
+def _axis(axis: Any, ndim: int) -> int:
+    """`axis` as a non-negative axis of a tensor of `ndim` dimensions.
+
+    Raises:
+        TypeError: `axis` is not an int.
+        ValueError: `axis` is out of range.
+    """
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"all_gather: axis must be an int, got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"all_gather: axis {axis} is out of range for a tensor of {ndim} dimension(s)")
+    return int(axis) % ndim

@@ -60,15 +60,7 @@ def broadcast(
     root_at = root_rank(ctx, root)
     is_root = root_at == ctx.rank
     if input is None:
-        if is_root:
-            raise TypeError("broadcast: the root must pass the tensor to send, got None")
-        if shape is None or dtype is None:
-            raise TypeError(
-                "broadcast: a non-root rank passing input=None must give shape= and dtype= "
-                "of the tensor it receives"
-            )
-        out_shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        out_dtype = transfer_dtype(np.dtype(dtype))
+        out_shape, out_dtype = _described(is_root, shape, dtype)
         source = None
         device = ctx.cpu_device
         nbytes = int(np.prod(out_shape, dtype=np.int64)) * out_dtype.itemsize
@@ -82,8 +74,7 @@ def broadcast(
         device = result_device(ctx, source)
         nbytes = source.array.nbytes
     out = ctx.pool.empty(out_shape, out_dtype)
-    if is_root:
-        assert source is not None
+    if is_root and source is not None:  # a root without a tensor raised above
         np.copyto(out, source.buffer)
     result = Tensor(out, device)
     comm, datatype = group.comm, mpi_datatype(out_dtype)
@@ -95,3 +86,20 @@ def broadcast(
     record = check_record(ctx, group, Record("broadcast", None, out_dtype, out_shape, root_at, group.members))
     op = Op("broadcast", group, nbytes, post, lambda: result, record=record, keep=(out,))
     return start(ctx, op, result)
+
+
+def _described(is_root: bool, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype a non-root rank that passes no tensor receives.
+
+    Raises:
+        TypeError: the root passes None, or `shape` or `dtype` is missing or not a dtype.
+    """
+    if is_root:
+        raise TypeError("broadcast: the root must pass the tensor to send, got None")
+    if shape is None or dtype is None:
+        raise TypeError(
+            "broadcast: a non-root rank passing input=None must give shape= and dtype= "
+            "of the tensor it receives"
+        )
+    out_shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    return out_shape, transfer_dtype(np.dtype(dtype))

@@ -141,6 +141,17 @@ class _Receive:
         return self.later.value
 
 
+def _expected(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype a receiver states it expects.
+
+    Raises:
+        TypeError: only one of them is given.
+    """
+    if shape is None or dtype is None:
+        raise TypeError("recv: give both shape= and dtype= (or a template tensor)")
+    return ((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype))
+
+
 def recv(
     input: Any = None,  # noqa: A002
     source: int | Device | None = None,
@@ -178,8 +189,7 @@ def recv(
         raise TypeError("recv needs source=, the rank to receive from")
     peer = _peer(ctx, source, "recv", "source")
     tag = _tag(tag)
-    expect = None
-    device = ctx.cpu_device
+    expect, device = None, ctx.cpu_device
     if input is not None:
         template = take_input(input, ctx, "recv", "the template")
         expect = (template.array.shape, template.buffer.dtype)
@@ -189,9 +199,7 @@ def recv(
 
             return gpu_recv(ctx, peer, tag, expect)
     elif shape is not None or dtype is not None:
-        if shape is None or dtype is None:
-            raise TypeError("recv: give both shape= and dtype= (or a template tensor)")
-        expect = ((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype))
+        expect = _expected(shape, dtype)
     later = Later()
     receive: list[_Receive] = []
 

@@ -102,14 +102,6 @@ def reduce_scatter(
         return result
 
     record = check_record(ctx, group, Record("reduce_scatter", reduce_op, array.dtype, array.shape, -1, group.members))
-    collective = Op(
-        "reduce_scatter",
-        group,
-        array.nbytes,
-        post,
-        finish,
-        record=record,
-        keep=(send, out, final),
-        protections=protections,
-    )
+    collective = Op("reduce_scatter", group, array.nbytes, post, finish, record=record, keep=(send, out, final),
+                    protections=protections)
     return start(ctx, collective, result)
