@@ -264,8 +264,10 @@ class DistributedContext:
             self._leave_on_exception()
 
     def close(self) -> None:
-        """Complete what is in flight, free the communicators, and finalize MPI if due.
+        """Complete what is in flight, wait for every rank to close, free the communicators, finalize MPI if due.
 
+        Closing is a check of its own on the whole context (see `_say_goodbye`): a peer still
+        calling a collective is told that this rank left instead of waiting for it forever.
         MPI is finalized when this was the last open context and mpitensor initialized
         MPI (unless finalization is deferred, see `defer_finalize`). Idempotent.
 
