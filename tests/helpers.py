@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from hypothesis import HealthCheck, Phase, settings
 
 import mpitensor as mt
 
@@ -28,6 +29,22 @@ ALL_DTYPES = [np.bool_, *SIGNED, *UNSIGNED, *FLOATS, *COMPLEX]
 SHAPES = [(), (0,), (7,), (3, 4), (2, 3, 5)]
 
 _UFUNCS = {OP.SUM: np.add, OP.PROD: np.multiply, OP.MAX: np.maximum, OP.MIN: np.minimum}
+
+
+def every_rank_settings(max_examples: int) -> settings:
+    """Hypothesis settings under which every rank draws the same examples.
+
+    Derandomized and without a database, so the ranks agree; without shrinking, since a
+    rank may not stop early while the others go on.
+    """
+    return settings(
+        derandomize=True,
+        database=None,
+        max_examples=max_examples,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 def seed_of(*parts: object) -> int:

@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import mpitensor as mt
-from tests.helpers import OP, rank_input, reference, tolerance
+from tests.helpers import OP, every_rank_settings, rank_input, reference, tolerance
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
-SETTINGS = settings(
-    derandomize=True,
-    database=None,
-    max_examples=50,
-    deadline=None,
-    phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=list(HealthCheck),
-)
+SETTINGS = every_rank_settings(50)
 KINDS = ["all_reduce", "fused", "broadcast", "reduce", "all_gather", "barrier"]
 DTYPES = [np.int32, np.float32, np.float64]
 SHAPES = [(4,), (2, 3)]

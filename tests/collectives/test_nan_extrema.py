@@ -15,14 +15,14 @@ import functools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes
 
 import mpitensor as mt
 from mpitensor._collectives.all_reduce import SMALL_BYTES
 from mpitensor._transport import shm as _shm
-from tests.helpers import ALL_DTYPES, OP, rank_input, reference, seed_of, tolerance
+from tests.helpers import ALL_DTYPES, OP, every_rank_settings, rank_input, reference, seed_of, tolerance
 
 try:
     import ml_dtypes
@@ -411,14 +411,7 @@ def test_long_double(module_ctx, op):
 
 # -- random collectives: the same bits on every rank, and NumPy's result ------------------
 
-SETTINGS = settings(
-    derandomize=True,
-    database=None,
-    max_examples=50,
-    deadline=None,
-    phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=list(HealthCheck),
-)
+SETTINGS = every_rank_settings(50)
 KINDS = ["all_reduce", "fused", "reduce", "reduce_scatter"]
 
 

@@ -9,24 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes
 
 import mpitensor as mt
 from tests.conftest import GROUP_KINDS, group_members
-from tests.helpers import ALL_DTYPES, OP, rank_input, reference, tolerance
+from tests.helpers import ALL_DTYPES, OP, every_rank_settings, rank_input, reference, tolerance
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
-SETTINGS = settings(
-    derandomize=True,
-    database=None,
-    max_examples=60,
-    deadline=None,
-    phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=list(HealthCheck),
-)
+SETTINGS = every_rank_settings(60)
 KINDS = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "fused"]
 
 
