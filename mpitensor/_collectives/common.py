@@ -20,6 +20,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DistributedContext
 from .._runtime.engine import COMPLETE, FAILED, Group, Op
+from .._transport.reduction import finish_reduction, reduction_buffers, reduction_input
 
 __all__ = ["PLAIN_DTYPES", "CollectiveTensor", "Input", "Later", "take_input", "timeout_arg"]
 
@@ -303,48 +304,6 @@ def group_root(group: Group, root: int, what: str) -> int:
         raise ValueError(
             f"{what}: root {root} is not in the group {group.describe()}; the root must be one of its ranks"
         ) from None
-
-
-def reduction_input(ctx: DistributedContext, source: Input, plan: Any) -> tuple[Any, tuple[Protection, ...]]:
-    """The buffer a reduction sends, and the protections that keep it unchanged meanwhile.
-
-    The buffer is the input, converted to the plan's work dtype where that differs, or
-    for MAX/MIN of floats and complex numbers a private copy encoded for MPI (``plan.codec``:
-    the integer keys MPI reduces for floats).
-    """
-    codec = plan.codec
-    if codec is not None:
-        buffer = ctx.pool.empty(source.buffer.shape, plan.work_dtype)
-        codec.encode(source.buffer, buffer)
-        source.buffer = buffer
-        source.copied = True
-        return buffer, ()
-    if plan.work_dtype != source.buffer.dtype:
-        source.buffer = source.buffer.astype(plan.work_dtype)
-        source.copied = True
-    # guard() may swap in a private copy: read the buffer after it.
-    protections = source.guard(ctx)
-    return source.buffer, protections
-
-
-def reduction_buffers(ctx: DistributedContext, shape: tuple[int, ...], plan: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The buffer MPI reduces into and the array the result tensor wraps.
-
-    They are the same array, except for half precision, which is reduced in float32 and
-    rounded back into the result by `finish_reduction`.
-    """
-    work = ctx.pool.empty(shape, plan.work_dtype)
-    return work, (ctx.pool.empty(shape, plan.out_dtype) if plan.rounds_back else work)
-
-
-def finish_reduction(work: np.ndarray, final: np.ndarray, plan: Any, size: int) -> None:
-    """Apply MEAN's division, turn MAX/MIN keys back into floats, round half precision back; in place."""
-    if plan.divide:
-        np.true_divide(work, size, out=work)
-    elif plan.codec is not None:
-        plan.codec.decode(work)
-    if final is not work:
-        np.copyto(final, work, casting="unsafe")
 
 
 def result_device(ctx: DistributedContext, source: Input) -> Any:

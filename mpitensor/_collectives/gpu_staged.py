@@ -52,8 +52,10 @@ from .._core.mpi import MPI
 from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.engine import Group, Op
+from .._transport.base import PrivateCopy, ReduceCall
 from .._transport.gpu.cuda_aware import CudaAwareness, detect
 from .._transport.gpu.pinned import PinnedBuffer, pinned_pool
+from .._transport.select import SHARED_MEMORY
 from .common import CollectiveTensor, Input, check_record, start
 
 if TYPE_CHECKING:
@@ -385,7 +387,7 @@ def gpu_all_reduce(
     at the call. ``MEAN`` divides on the device.
 
     Every rank of a group must run the same algorithm. Ranks with host inputs use the
-    shared-memory all-reduce for large messages within a node (`_transport/shm.py`), so a staged input
+    shared-memory all-reduce for large messages within a node (`_transport/shm/`), so a staged input
     is offered to it too, and in a group that has CPU ranks the input is staged even on a
     CUDA-aware MPI. (On a CUDA-aware MPI, a GPU-only context where one rank passes a host
     array and another a GPU array of a size the shared-memory path takes would disagree:
@@ -433,16 +435,15 @@ def gpu_all_reduce(
         staged = call.stage(send, after=ready)
         # Ranks with host inputs take the shared-memory all-reduce where it applies (large
         # messages within a node); its decision depends only on what every rank agrees on,
-        # so offering it the staged buffer keeps every rank on the same algorithm.
-        from .._transport.shm import shared_memory_post
-
-        # The staged copy holds the floats: the shared-memory path reduces float MAX/MIN as
+        # so offering it the staged buffer keeps every rank on the same algorithm. The
+        # staged copy holds the floats: the shared-memory path reduces float MAX/MIN as
         # they are, MPI reduces their keys (encoded on the host, decoded on the device).
-        fast = shared_memory_post(ctx, group, staged.buffer.array, plan)
-        if fast is None:
-            steps = _reduce_staged(call, group, plan, staged, out, fix)
+        host_call = ReduceCall(ctx, group, PrivateCopy(staged.buffer.array), plan, array.nbytes)
+        if SHARED_MEMORY.applies(host_call):
+            SHARED_MEMORY.prepare(host_call)
+            steps = _reduce_staged_shared(call, host_call, staged, out, _FixUp(fix.divide_by, fix.into))
         else:
-            steps = _reduce_staged_shared(call, fast, staged, out, _FixUp(fix.divide_by, fix.into))
+            steps = _reduce_staged(call, group, plan, staged, out, fix)
     post, finish_copy, keep = steps
 
     def finish() -> Tensor:
@@ -514,18 +515,18 @@ def _reduce_staged(call: GpuCall, group: Group, plan: ReducePlan, staged: Staged
     return post, finish, (staged.buffer,)
 
 
-def _reduce_staged_shared(call: GpuCall, fast: Any, staged: Staged, out: Any, fix: _FixUp) -> _Steps:
+def _reduce_staged_shared(call: GpuCall, host_call: ReduceCall, staged: Staged, out: Any, fix: _FixUp) -> _Steps:
     """staged, through the shared-memory all-reduce (the result comes from its memory)."""
 
     def post() -> Any:
         staged.wait()
-        return fast.post()
+        return SHARED_MEMORY.start(host_call)
 
     def finish() -> None:
-        call.unstage(fast.out, out, divide_by=fix.divide_by, into=fix.into)
+        call.unstage(host_call.out, out, divide_by=fix.divide_by, into=fix.into)
         staged.buffer.release()
 
-    return post, finish, (staged.buffer, fast.out)
+    return post, finish, (staged.buffer, host_call)
 
 
 # -- the other collectives: through their host implementations --------------------------------

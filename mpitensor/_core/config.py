@@ -28,22 +28,40 @@ class ReduceOperation(enum.Enum):
     PROD = "prod"
 
 
+_ALIASES = {"avg": "mean", "average": "mean"}
+
+
 def parse_op(op: ReduceOperation | str) -> ReduceOperation:
     """Return `op` as a `ReduceOperation`; names such as ``"sum"`` are accepted too.
+
+    Names are case-insensitive; ``"avg"`` and ``"average"`` (torch's and Horovod's names)
+    mean `ReduceOperation.MEAN`.
 
     Raises:
         TypeError: `op` is neither a `ReduceOperation` nor a string.
         ValueError: `op` is a string that names no operation.
     """
+    # Names already seen are looked up at once: an Enum lookup by value runs Python code,
+    # and ``all_reduce(x, "sum")`` is on the path of the smallest messages.
+    known = _BY_NAME.get(op) if type(op) is str else None
+    if known is not None:
+        return known
     if isinstance(op, ReduceOperation):
         return op
     if isinstance(op, str):
+        name = op.lower()
         try:
-            return ReduceOperation(op.lower())
+            parsed = ReduceOperation(_ALIASES.get(name, name))
         except ValueError:
             names = ", ".join(m.name for m in ReduceOperation)
-            raise ValueError(f"unknown reduce operation {op!r}; expected one of {names}") from None
+            raise ValueError(f"unknown reduce operation {op!r}; expected one of {names} (or AVG for MEAN)") from None
+        if len(_BY_NAME) < 256:  # bounded: only names that parse are kept
+            _BY_NAME[op] = parsed
+        return parsed
     raise TypeError(f"op must be a ReduceOperation (or its name), got {type(op).__name__}")
+
+
+_BY_NAME: dict[str, ReduceOperation] = {}
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._core.errors import CollectiveTimeoutError, ContextBrokenError
 from .._core.mpi import MPI
+from .._transport.base import Stepper
 from .check import (
     ABANDON,
     ABANDONED_KIND,
@@ -68,13 +69,6 @@ def _unpack_details(data: np.ndarray, sizes: list[int]) -> list[dict[str, Any]]:
         details.append(pickle.loads(data[offset : offset + size].tobytes()))
         offset += size
     return details
-
-
-class Stepper(Protocol):
-    """An algorithm the engine drives in steps instead of waiting on MPI requests."""
-
-    def advance(self) -> bool:
-        """Do whatever can be done now without blocking; True once finished."""
 
 
 class Group:
@@ -244,53 +238,29 @@ class Engine:
             ctx.ensure_usable()
         group = op.group
         with self.lock:
-            if op.record is None and not group.queue:
-                self._post_data(op)
-                return
-            try:
-                if op.record is not None:
-                    self._post_check(op)
-                else:
-                    op.state = QUEUED
-                group.queue.append(op)
-                self.waiting_groups.add(group)
-                self._pump(group)
-            except MPI.Exception as exc:
-                raise self.mpi_failed(exc, op) from exc
+            direct = op.record is None and not group.queue
+            if direct:
+                self._post_data(op)  # a failure to post is raised by resolve()
+            else:
+                try:
+                    if op.record is not None:
+                        self._post_check(op)
+                    else:
+                        op.state = QUEUED
+                    group.queue.append(op)
+                    self.waiting_groups.add(group)
+                    self._pump(group)
+                except MPI.Exception as exc:
+                    raise self.mpi_failed(exc, op) from exc
+        if direct:
+            if len(self.posted) > _MAX_POSTED:
+                self._hold_back()
+            return
         if op.state == CHECKING:
             self._wait_check(op, self.ctx.config.check_grace if grace is None else grace)
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
-
-    def post_direct(self, op: Op, start: Callable[..., Any], *args: Any) -> None:
-        """Start an unchecked op with one request, the shortest way: ``start(*args)``.
-
-        Falls back to `submit` when the op's group has ops queued (data must be posted in
-        call order); the op's own `post` is not used.
-
-        Raises:
-            ContextBrokenError: MPI refused to start it (the context is then broken).
-        """
-        ctx = self.ctx
-        if not ctx.usable:
-            ctx.ensure_usable()
-        with self.lock:
-            direct = not op.group.queue
-            if direct:
-                try:
-                    op.requests = [start(*args)]
-                except MPI.Exception as exc:
-                    raise self.mpi_failed(exc, op) from exc
-                op.state = POSTED
-                self.posted.append(op)
-                if len(self.posted) > _REAP_AFTER:
-                    self._reap_oldest()
-        if not direct:
-            op.post = lambda: [start(*args)]
-            self.submit(op)
-        elif len(self.posted) > _MAX_POSTED:
-            self._hold_back()
 
     def _post_check(self, op: Op) -> None:
         group = op.group

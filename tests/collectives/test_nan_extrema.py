@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes
 
 import mpitensor as mt
-from mpitensor._collectives.all_reduce import SMALL_BYTES
 from mpitensor._transport import shm as _shm
+from mpitensor._transport.mpi import SMALL_BYTES
+from mpitensor._transport.shm.arena import Lease
 from tests.helpers import ALL_DTYPES, OP, every_rank_settings, rank_input, reference, seed_of, tolerance
 
 try:
@@ -180,7 +181,7 @@ def via_shared_memory(result: mt.Tensor) -> bool:
     """True when the result lives in a block of this rank's shared memory."""
     array = result.numpy()
     while array is not None:
-        if isinstance(array, _shm._Lease):
+        if isinstance(array, Lease):
             return True
         array = getattr(array, "base", None)
     return False

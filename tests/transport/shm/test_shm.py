@@ -15,15 +15,22 @@ from __future__ import annotations
 import gc
 import hashlib
 import zlib
+from functools import partial
 
 import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._collectives.all_reduce import SMALL_BYTES
 from mpitensor._core.dtypes import reduce_plan
 from mpitensor._runtime.engine import Op
 from mpitensor._transport import shm as _shm
+from mpitensor._transport.base import PrivateCopy, ReduceCall
+from mpitensor._transport.mpi import SMALL_BYTES
+from mpitensor._transport.select import SHARED_MEMORY
+from mpitensor._transport.shm import arena as _arena
+from mpitensor._transport.shm import cma as _cma
+from mpitensor._transport.shm import group_state as _group_state
+from mpitensor._transport.shm import protocol as _protocol
 from tests.helpers import run_job
 
 mpi = pytest.mark.mpi(min_size=2)
@@ -79,7 +86,7 @@ def via_shared_memory(result) -> bool:
     """True when the result lives in a block of this rank's shared memory."""
     array = result._array if isinstance(result, mt.Tensor) else result
     while array is not None:
-        if isinstance(array, _shm._Lease):
+        if isinstance(array, _arena.Lease):
             return True
         array = getattr(array, "base", None)
     return False
@@ -90,15 +97,16 @@ def reduce_fast(ctx, array: np.ndarray, op: OP, members=None) -> np.ndarray:
     group = ctx.group(members)
     plan = reduce_plan(op, array.dtype)
     send = np.array(array, dtype=plan.work_dtype, order="C")
-    fast = _shm.shared_memory_post(ctx, group, send, plan)
-    assert fast is not None, "the fast path declined"
-    op_ = Op("all_reduce", group, send.nbytes, fast.post, None, keep=(send, fast.out))
+    call = ReduceCall(ctx, group, PrivateCopy(send), plan, send.nbytes)
+    assert SHARED_MEMORY.applies(call), "the fast path declined"
+    SHARED_MEMORY.prepare(call)
+    op_ = Op("all_reduce", group, send.nbytes, partial(SHARED_MEMORY.start, call), None, keep=(call,))
     ctx.engine.submit(op_)
     ctx.engine.wait(op_, 60)
-    assert via_shared_memory(fast.out)
+    assert via_shared_memory(call.out)
     if plan.divide:
-        np.true_divide(fast.out, group.size, out=fast.out)
-    return fast.out
+        np.true_divide(call.out, group.size, out=call.out)
+    return call.out
 
 
 def group_state(ctx, members=None):
@@ -111,7 +119,7 @@ def reads(request, monkeypatch):
     """How ranks read their peers' inputs: directly (process_vm_readv, where the kernel
     allows it) or from the copies in shared memory."""
     if request.param == "copy":
-        monkeypatch.setattr(_shm, "_readv", False)
+        monkeypatch.setattr(_cma, "_readv", False)
     return request.param
 
 
@@ -241,7 +249,7 @@ def test_hierarchical_equals_reference(monkeypatch, op, node_size, reads):
     pseudo_nodes(monkeypatch, node_size)
     seed = seed_of("hier", op.name, node_size)
     with mt.DistributedContext.init(config=FAST) as ctx:
-        layout = _shm.node_layout(ctx, ctx.group(None))
+        layout = _shm.node_layout(ctx.hosts)
         if all(len(node) == 1 for node in layout):
             # One rank per node: nothing to share, the plain path runs.
             result = mt.all_reduce(np.ones(10), op).resolve()
@@ -288,7 +296,7 @@ def test_results_stay_valid_after_later_calls_and_close():
         for _ in range(10):
             mt.all_reduce(np.full(5000, -1.0)).resolve()
         # After the first operation, ranks of one node synchronize through shared memory.
-        assert group_state(ctx).flags == _shm._ORDERED_STORES
+        assert group_state(ctx).flags == _protocol.ORDERED_STORES
         for result, expected in kept:
             np.testing.assert_array_equal(np.array(result), expected)
     # The context is closed; the blocks the results live in are still mapped.
@@ -387,7 +395,7 @@ def test_a_rank_that_cannot_map_a_peer_makes_every_rank_fall_back(monkeypatch):
             def refuse(self, *args):
                 raise OSError("simulated: no access to the peer's memory")
 
-            monkeypatch.setattr(_shm._GroupState, "peer_block", refuse)
+            monkeypatch.setattr(_group_state.GroupState, "peer_block", refuse)
             state = group_state(ctx)
             state.peer_maps.clear()
             state.peer_bytes = 0
@@ -409,7 +417,7 @@ def test_a_failed_direct_read_makes_every_rank_fall_back(monkeypatch):
             def refuse(self, key):
                 raise OSError(1, "simulated: process_vm_readv not permitted")
 
-            monkeypatch.setattr(_shm._Remote, "__getitem__", refuse)
+            monkeypatch.setattr(_cma.Remote, "__getitem__", refuse)
         result = mt.all_reduce(inputs[ctx.rank]).resolve()
         np.testing.assert_array_equal(np.array(result), reference(OP.SUM, inputs))
         assert group_state(ctx).disabled
@@ -422,7 +430,7 @@ def test_a_rank_without_shared_memory_makes_every_rank_fall_back(monkeypatch):
             def no_memory(self, nbytes):
                 raise OSError("simulated: memfd_create failed")
 
-            monkeypatch.setattr(_shm._Arena, "take", no_memory)
+            monkeypatch.setattr(_arena.Arena, "take", no_memory)
         inputs = [exact_input(4, r, (9999,), np.float64, OP.SUM) for r in range(ctx.size)]
         result = mt.all_reduce(inputs[ctx.rank]).resolve()
         np.testing.assert_array_equal(np.array(result), reference(OP.SUM, inputs))

@@ -1,0 +1,72 @@
+"""MPI's own all-reduce, as transports: the catch-all ends every all-reduce's list.
+
+`InPlace` takes small messages: the input is copied (cheaper than protecting it) into the
+buffer MPI reduces in place. `Plain` takes every other host message: MPI reads the input
+(protected from writes, or converted into a private copy) and reduces into a pooled buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._core.mpi import MPI
+from .base import ReduceCall
+from .reduction import reduction_buffers, reduction_input
+
+__all__ = ["SMALL_BYTES", "InPlace", "Plain"]
+
+# Up to this size a copy of the input costs less than write-protecting it in flight.
+SMALL_BYTES = 16 << 10
+
+
+class InPlace:
+    """``MPI_Iallreduce(MPI_IN_PLACE, ...)`` on a private copy of a small input."""
+
+    name = "mpi-in-place"
+
+    def applies(self, call: ReduceCall) -> bool:
+        """Messages of up to `SMALL_BYTES` whose result is not rounded back (half precision)."""
+        return call.nbytes <= SMALL_BYTES and not call.plan.rounds_back
+
+    def prepare(self, call: ReduceCall) -> None:
+        """Copy the input (encoded into MAX/MIN keys where the plan has a codec) into `out`."""
+        plan = call.plan
+        array = call.source.buffer
+        codec = plan.codec
+        if codec is None:
+            out = array.astype(plan.work_dtype)  # always a copy
+        elif array.dtype == plan.work_dtype:
+            out = np.empty(array.shape, plan.work_dtype)
+            codec.encode(array, out)
+        else:  # byte-swapped: to native order first
+            out = array.astype(plan.work_dtype)
+            codec.encode(out, out)
+        call.send = out
+        call.out = call.final = out
+
+    def start(self, call: ReduceCall) -> list[Any]:
+        """Post the all-reduce."""
+        plan = call.plan
+        return [call.group.comm.Iallreduce(MPI.IN_PLACE, [call.out, plan.datatype], plan.mpi_op)]
+
+
+class Plain:
+    """``MPI_Iallreduce`` from the (protected or converted) input into a pooled buffer."""
+
+    name = "mpi"
+
+    def applies(self, call: ReduceCall) -> bool:
+        """Every host message."""
+        return True
+
+    def prepare(self, call: ReduceCall) -> None:
+        """Protect or convert the input; take the result buffers from the pool."""
+        call.send, call.protections = reduction_input(call.ctx, call.source, call.plan)
+        call.out, call.final = reduction_buffers(call.ctx, call.source.array.shape, call.plan)
+
+    def start(self, call: ReduceCall) -> list[Any]:
+        """Post the all-reduce."""
+        datatype = call.plan.datatype
+        return [call.group.comm.Iallreduce([call.send, datatype], [call.out, datatype], call.plan.mpi_op)]

@@ -1,0 +1,18 @@
+"""Which transports each operation may use, in the order they are tried.
+
+`base.select` runs the first whose ``applies(call)`` is True, so a list ends with a
+transport that takes everything. Small all-reduces stay on MPI whatever the settings (a
+copy of the input is cheaper than anything else at that size); large host ones go through
+node peers' shared memory where it applies.
+"""
+
+from __future__ import annotations
+
+from .base import Transport
+from .mpi import InPlace, Plain
+from .shm import SharedMemory
+
+__all__ = ["ALL_REDUCE", "SHARED_MEMORY"]
+
+SHARED_MEMORY = SharedMemory()
+ALL_REDUCE: tuple[Transport, ...] = (InPlace(), SHARED_MEMORY, Plain())

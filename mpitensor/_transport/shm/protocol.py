@@ -1,0 +1,46 @@
+"""What the ranks of a node tell each other: message tags, descriptors and control-block fields."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import numpy as np
+
+from ..._core.mpi import MPI
+from .settings import PAGE
+
+# Tags of the point-to-point messages on the group's communicator (MPI guarantees tags up to
+# 32767; nothing else sends point-to-point messages there).
+TAG_INFO, TAG_FLAG, TAG_AGREED, TAG_SCATTER, TAG_GATHER, TAG_READY, TAG_COPIED = range(32700, 32707)
+
+# MPI op -> NumPy ufunc, for plans that name no ``combine``. A list: MPI.Op objects are not hashable.
+UFUNCS: list[tuple[Any, Any]] = [
+    (MPI.SUM, np.add),
+    (MPI.PROD, np.multiply),
+    (MPI.MAX, np.maximum),
+    (MPI.MIN, np.minimum),
+    (MPI.LOR, np.logical_or),
+    (MPI.LAND, np.logical_and),
+]
+
+# The descriptor each rank publishes per operation (int64 fields): its blocks, each as
+# (id, fd, inode, length) starting at the field named.
+OK, PID, RES_ID, CTL_ID, SEND = 0, 1, 2, 6, 10  # SEND: the input's address
+INFO_LEN = 11
+# The control block (int64 fields): sequence number of the last operation whose input this
+# rank has published, of the last one whose reduction it has done, whether that went well,
+# and the published descriptor.
+C_ARRIVE, C_DONE, C_DONE_OK, C_INFO = 0, 1, 2, 8
+CONTROL_BYTES = PAGE
+# Stores become visible in program order and loads do not pass loads (x86-TSO): polling a
+# peer's sequence number then reading what it wrote before it is safe without fences.
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def ufunc_for(mpi_op: Any) -> Any:
+    """The NumPy ufunc that reduces as predefined `mpi_op` does, or None."""
+    for candidate, ufunc in UFUNCS:
+        if candidate == mpi_op:
+            return ufunc
+    return None
