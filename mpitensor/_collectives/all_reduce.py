@@ -23,6 +23,7 @@ from .common import (
     Input,
     context_for,
     finish_reduction,
+    follow,
     reduction_buffers,
     reduction_input,
     result_device,
@@ -98,6 +99,8 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
         return fused_all_reduce(ctx, input, op, devices)
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     source = take_input(input, ctx, "all_reduce")
+    if source.back is not None:  # another library's tensor: reduce its array, give the result back
+        return follow(all_reduce(source.buffer, op, devices), source.back)
     group = ctx.full_group if devices is None else ctx.group(devices, "all_reduce")
     if source.on_gpu:
         from .gpu_staged import gpu_all_reduce

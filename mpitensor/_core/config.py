@@ -28,8 +28,14 @@ class ReduceOperation(enum.Enum):
     PROD = "prod"
 
 
+_ALIASES = {"avg": "mean", "average": "mean"}
+
+
 def parse_op(op: ReduceOperation | str) -> ReduceOperation:
     """Return `op` as a `ReduceOperation`; names such as ``"sum"`` are accepted too.
+
+    Names are case-insensitive; ``"avg"`` and ``"average"`` (torch's and Horovod's names)
+    mean `ReduceOperation.MEAN`.
 
     Raises:
         TypeError: `op` is neither a `ReduceOperation` nor a string.
@@ -38,11 +44,12 @@ def parse_op(op: ReduceOperation | str) -> ReduceOperation:
     if isinstance(op, ReduceOperation):
         return op
     if isinstance(op, str):
+        name = op.lower()
         try:
-            return ReduceOperation(op.lower())
+            return ReduceOperation(_ALIASES.get(name, name))
         except ValueError:
             names = ", ".join(m.name for m in ReduceOperation)
-            raise ValueError(f"unknown reduce operation {op!r}; expected one of {names}") from None
+            raise ValueError(f"unknown reduce operation {op!r}; expected one of {names} (or AVG for MEAN)") from None
     raise TypeError(f"op must be a ReduceOperation (or its name), got {type(op).__name__}")
 
 
