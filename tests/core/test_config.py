@@ -18,7 +18,7 @@ def test_parse_op_accepts_members_and_names():
     assert parse_op(mt.ReduceOperation.MAX) is mt.ReduceOperation.MAX
     assert parse_op("Mean") is mt.ReduceOperation.MEAN
     assert parse_op("avg") is parse_op("AVERAGE") is parse_op("Avg") is mt.ReduceOperation.MEAN
-    with pytest.raises(ValueError, match="unknown reduce operation 'median'; expected one of SUM, MEAN, MAX, MIN, PROD"):
+    with pytest.raises(ValueError, match="unknown reduce operation 'median'; expected one of SUM, MEAN, MAX, MIN"):
         parse_op("median")
     with pytest.raises(TypeError, match="op must be a ReduceOperation"):
         parse_op(1)

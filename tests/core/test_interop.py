@@ -45,7 +45,7 @@ def test_dtypes_of_every_library_become_numpy_dtypes():
     assert interop.numpy_dtype(torch.complex64) == np.complex64
     assert interop.numpy_dtype(torch.bfloat16).name == "bfloat16"
     assert interop.numpy_dtype("float16") == np.float16
-    with pytest.raises(TypeError, match="torch.quint8 cannot be communicated"):
+    with pytest.raises(TypeError, match=r"torch\.quint8 cannot be communicated"):
         interop.numpy_dtype(torch.quint8)
     jnp = pytest.importorskip("jax.numpy")
     assert interop.numpy_dtype(jnp.float32) == np.float32
@@ -161,7 +161,7 @@ def test_dlpack_and_array_interface_objects_are_read():
 
 
 def test_unknown_values_are_named_in_the_error():
-    with pytest.raises(TypeError, match="all_reduce expects input to be .* got object"):
+    with pytest.raises(TypeError, match=r"all_reduce expects input to be .* got object"):
         interop.take(object(), CPU, "all_reduce")
 
 
@@ -200,5 +200,5 @@ def test_factories_take_foreign_data_and_dtypes():
     assert mt.ones(2, dtype=jnp.int32).dtype == np.int32
     assert mt.arange(3, dtype=torch.int64).dtype == np.int64
     assert mt.tensor([1, 2], dtype=torch.float32).dtype == np.float32
-    with pytest.raises(TypeError, match="as_tensor expects data to be .* got object"):
+    with pytest.raises(TypeError, match=r"as_tensor expects data to be .* got object"):
         mt.as_tensor(object())
