@@ -24,7 +24,8 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpitensor.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="all", choices=["all", "sweep", "overlap", "fused", "interop", "report"],
+    parser.add_argument("command", nargs="?", default="all",
+                        choices=["all", "sweep", "overlap", "fused", "interop", "report"],
                         help="what to run (default: all the benchmarks)")
     parser.add_argument("files", nargs="*", help="report: the JSON files of the runs")
     parser.add_argument("--sizes", default="8:64M", help="sweep sizes: 'LOW:HIGH' powers of two or a list (8:64M)")

@@ -9,6 +9,7 @@ taken under the same load; the target is a torch input within 1.1x of the NumPy 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -54,8 +55,10 @@ def run_interop(
             for rep in range(reps):
                 for size in sizes:  # interleaved: each round times both inputs of each size
                     array, tensor = arrays[size], tensors[size]
-                    samples[size]["numpy"].append(timing.batch(("numpy", size), lambda: all_reduce(array).resolve()))
-                    samples[size]["torch"].append(timing.batch(("torch", size), lambda: all_reduce(tensor).resolve()))
+                    numpy_call = partial(_reduce, array)
+                    torch_call = partial(_reduce, tensor)
+                    samples[size]["numpy"].append(timing.batch(("numpy", size), numpy_call))
+                    samples[size]["torch"].append(timing.batch(("torch", size), torch_call))
                 round_done(progress, comm, "interop", rep, reps)
     finally:
         comm.Free()
@@ -64,6 +67,10 @@ def run_interop(
         result["rows"].append({"bytes": size, "numpy_s": numpy_s, "torch_s": torch_s, "ratio": torch_s / numpy_s,
                                "numpy_samples_s": samples[size]["numpy"], "torch_samples_s": samples[size]["torch"]})
     return result
+
+
+def _reduce(value: Any) -> Any:
+    return all_reduce(value).resolve()
 
 
 def format_interop(result: dict[str, Any], markdown: bool = True) -> str:
