@@ -30,6 +30,7 @@ import numpy as np
 from .device import Device
 from .errors import DeviceError
 from .halfprec import bfloat16_dtype, is_bfloat16
+from .pool import Private
 
 __all__ = [
     "COW_BYTES",
@@ -271,7 +272,10 @@ def _view_of_clone(clone: Any, tensor: Any) -> np.ndarray:
     nbytes = tensor.numel() * tensor.element_size()
     block = (ctypes.c_char * nbytes).from_address(clone.const_data_ptr())
     block.clone = clone  # the clone, and with it the shared memory, lives as long as the view
-    array = np.frombuffer(block, numpy_dtype(tensor.dtype)).reshape(tuple(tensor.shape))
+    # Over a `Private` array (made straight on the block, so NumPy keeps it as the base, as
+    # the pool does with its leases): the collective protects it instead of copying it.
+    private = np.ndarray.__new__(Private, tuple(tensor.shape), numpy_dtype(tensor.dtype), block)
+    array = private.view(np.ndarray)
     array.flags.writeable = False
     return array
 

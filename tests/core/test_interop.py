@@ -75,6 +75,7 @@ def test_large_torch_tensors_are_sent_through_a_copy_on_write_clone():
     tensor = torch.ones(interop.COW_BYTES // 4)
     taken = interop.take(tensor, CPU, "all_reduce")
     assert taken.private and not taken.array.flags.writeable
+    assert not foreign(taken.array)  # protected in flight, not copied
     assert taken.array.ctypes.data == tensor.const_data_ptr()  # no copy
     tensor.add_(1)  # a write in flight: the tensor gets fresh memory, the data sent is unchanged
     assert float(tensor[0]) == 2.0
