@@ -11,7 +11,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Op
-from .common import CollectiveTensor, Later, context_for, result_device, start, take_input
+from .common import CollectiveTensor, Later, context_for, follow, result_device, start, take_input
 
 __all__ = ["all_gather"]
 
@@ -43,7 +43,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
     if source.on_gpu:
         from .gpu_staged import gpu_all_gather
 
-        return gpu_all_gather(ctx, source, group, axis)
+        return follow(gpu_all_gather(ctx, source, group, axis), source.back)
     protections = source.guard(ctx)
     array = source.buffer if source.buffer.ndim else source.buffer.reshape(1)
     axis = _axis(axis, array.ndim)
@@ -74,7 +74,7 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
 
     op = Op("all_gather", group, send.nbytes, post, lambda: later.value, record=record, keep=(send,),
             protections=protections, exchange=True, compare=ctx.config.check)
-    return start(ctx, op, later)
+    return follow(start(ctx, op, later), source.back)
 
 
 def _axis(axis: Any, ndim: int) -> int:

@@ -18,7 +18,7 @@ from .._transport.base import ReduceCall, select
 from .._transport.mpi import SMALL_BYTES
 from .._transport.reduction import finish_reduction
 from .._transport.select import ALL_REDUCE
-from .common import PLAIN_DTYPES, CollectiveTensor, Input, context_for, result_device, take_input
+from .common import PLAIN_DTYPES, CollectiveTensor, Input, context_for, follow, result_device, take_input
 from .fused import fused_all_reduce
 from .gpu_staged import gpu_all_reduce
 
@@ -54,6 +54,8 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     if kind is not np.ndarray and kind is not Tensor and isinstance(input, (list, tuple, dict)):
         return fused_all_reduce(context_for("all_reduce"), input, op, devices)
     ctx, source, group = _take(input, devices)
+    if source.back is not None:  # another library's tensor: reduce its array, give the result back
+        return follow(all_reduce(source.buffer, op, devices), source.back)
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     if source.on_gpu:
         return gpu_all_reduce(ctx, source, reduce_op, group)

@@ -9,7 +9,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Op
-from .common import CollectiveTensor, check_record, context_for, result_device, start, take_input
+from .common import CollectiveTensor, check_record, context_for, follow, result_device, start, take_input
 from .reduce_scatter import blocks_or_problem
 
 __all__ = ["all_to_all"]
@@ -40,7 +40,7 @@ def all_to_all(input: Any, *, devices: DevicesArg = None) -> CollectiveTensor:  
     if source.on_gpu:
         from .gpu_staged import gpu_all_to_all
 
-        return gpu_all_to_all(ctx, source, group)
+        return follow(gpu_all_to_all(ctx, source, group), source.back)
     protections = source.guard(ctx)
     array = source.buffer
     problem, _ = blocks_or_problem(array.shape, group.size, "all_to_all")
@@ -64,4 +64,4 @@ def all_to_all(input: Any, *, devices: DevicesArg = None) -> CollectiveTensor:  
         keep=(array, out),
         protections=protections,
     )
-    return start(ctx, op, result)
+    return follow(start(ctx, op, result), source.back)

@@ -8,6 +8,7 @@ import numpy as np
 
 from .._core.device import Device
 from .._core.dtypes import mpi_datatype, transfer_dtype
+from .._core.interop import numpy_dtype
 from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
@@ -16,6 +17,7 @@ from .common import (
     CollectiveTensor,
     check_record,
     context_for,
+    follow,
     group_root,
     result_device,
     root_rank,
@@ -69,7 +71,7 @@ def broadcast(
         if source.on_gpu:
             from .gpu_staged import gpu_broadcast
 
-            return gpu_broadcast(ctx, source, group, root_at)
+            return follow(gpu_broadcast(ctx, source, group, root_at), source.back)
         out_shape, out_dtype = tuple(source.array.shape), source.buffer.dtype
         device = result_device(ctx, source)
         nbytes = source.array.nbytes
@@ -85,7 +87,7 @@ def broadcast(
 
     record = check_record(ctx, group, Record("broadcast", None, out_dtype, out_shape, root_at, group.members))
     op = Op("broadcast", group, nbytes, post, lambda: result, record=record, keep=(out,))
-    return start(ctx, op, result)
+    return follow(start(ctx, op, result), source.back if source is not None else None)
 
 
 def _described(is_root: bool, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
@@ -102,4 +104,4 @@ def _described(is_root: bool, shape: Any, dtype: Any) -> tuple[tuple[int, ...], 
             "of the tensor it receives"
         )
     out_shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-    return out_shape, transfer_dtype(np.dtype(dtype))
+    return out_shape, transfer_dtype(numpy_dtype(dtype))

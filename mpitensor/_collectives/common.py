@@ -14,6 +14,7 @@ from .._core import state as _state
 from .._core.backend import is_cupy_array
 from .._core.dtypes import transfer_dtype
 from .._core.errors import ContextClosedError, DeviceError
+from .._core.interop import take as take_foreign
 from .._core.protect import Protection, foreign, restorable
 from .._core.state import open_contexts
 from .._core.tensor import Tensor
@@ -22,7 +23,7 @@ from .._runtime.context import DistributedContext
 from .._runtime.engine import COMPLETE, FAILED, Group, Op
 from .._transport.reduction import finish_reduction, reduction_buffers, reduction_input
 
-__all__ = ["PLAIN_DTYPES", "CollectiveTensor", "Input", "Later", "take_input", "timeout_arg"]
+__all__ = ["PLAIN_DTYPES", "CollectiveTensor", "Convert", "Input", "Later", "follow", "take_input", "timeout_arg"]
 
 
 class CollectiveTensor:
@@ -52,7 +53,8 @@ class CollectiveTensor:
 
         Returns:
             The result: a `Tensor` (``None`` on non-root ranks of `reduce`, and the same
-            structure of tensors for a fused all-reduce).
+            structure of tensors for a fused all-reduce), or for an input of another
+            library, a value of that library (a torch tensor, a JAX array, a Python number).
 
         Raises:
             CollectiveTimeoutError: the timeout passed (the context is then broken).
@@ -65,7 +67,7 @@ class CollectiveTensor:
         if op.state == COMPLETE and (self._resolved or not ctx.closed):
             self._resolved = True
             if isinstance(self._value, Later):
-                self._value = op.result
+                self._value = self._value.settle(op.result)
             return self._value
         if op.state == FAILED:
             assert op.error is not None
@@ -78,7 +80,7 @@ class CollectiveTensor:
         ctx.engine.wait(op, ctx.timeout if timeout is None else timeout_arg(timeout, ctx))
         self._resolved = True
         if isinstance(self._value, Later):
-            self._value = op.result
+            self._value = self._value.settle(op.result)
         return self._value
 
     def assume_resolved(self) -> Any:
@@ -95,18 +97,20 @@ class CollectiveTensor:
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
-        if isinstance(self._value, Later):
+        value = self._value
+        convert = None
+        if isinstance(value, Convert):
+            convert, value = value, value.inner
+        if isinstance(value, Later):
             # The result's shape comes from the other ranks: wait for that exchange only.
             self._ctx.engine.wait_posted(op, self._ctx.timeout)
             if op.state == FAILED:
                 assert op.error is not None
                 raise op.error
-            value = self._value.value
-        else:
-            value = self._value
+            value = value.value
         if op.state < COMPLETE:
             self._ctx.engine.protect_outputs(op, value)
-        return value
+        return value if convert is None else convert.back(value)
 
     def test(self) -> bool:
         """Advance communication without blocking; True once the result is ready."""
@@ -151,6 +155,67 @@ class Later:
     def __init__(self) -> None:
         self.value: Any = None
 
+    def settle(self, result: Any) -> Any:
+        """What `resolve()` returns, given the op's result."""
+        return result
+
+
+class Convert(Later):
+    """A result to be given back in another library's kind once the op completes.
+
+    A `Later` so that `resolve()` needs no check of its own for it.
+
+    Attributes:
+        inner: the handle's value (a result, or a `Later`).
+        back: the converter (see `_core.interop`).
+    """
+
+    __slots__ = ("back", "inner")
+
+    def __init__(self, inner: Any, back: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.back = back
+
+    def settle(self, result: Any) -> Any:
+        """The op's result (or the value the handle held) converted back."""
+        return self.back(result if isinstance(self.inner, Later) else self.inner)
+
+
+def follow(handle: CollectiveTensor, back: Any) -> CollectiveTensor:
+    """`handle`, made to give its result back through `back` (a converter; None: as it is)."""
+    if back is None:
+        return handle
+    if type(handle) is not CollectiveTensor:  # a handle with a resolve() of its own (GPU staging)
+        return _Converted(handle, back)
+    # The class is this module's own: its slot is set here, once per foreign input.
+    handle._value = Convert(handle._value, back)
+    return handle
+
+
+class _Converted(CollectiveTensor):
+    """A handle giving another handle's result back in another library's kind."""
+
+    __slots__ = ("_back", "_inner", "_out")
+
+    def __init__(self, inner: CollectiveTensor, back: Any) -> None:
+        super().__init__(inner._op, None, inner._ctx)
+        self._inner = inner
+        self._back = back
+        self._out: list[Any] = []
+
+    def resolve(self, timeout: float | None = None) -> Any:
+        """As `CollectiveTensor.resolve`, converted back (the same object again)."""
+        value = self._inner.resolve(timeout)
+        if not self._out:
+            self._out.append(self._back(value))
+        self._resolved = True
+        return self._out[0]
+
+    def assume_resolved(self) -> Any:
+        """As `CollectiveTensor.assume_resolved`, converted back."""
+        return self._back(self._inner.assume_resolved())
+
 
 class Input:
     """A collective's input, made ready for MPI.
@@ -161,9 +226,14 @@ class Input:
         buffer: what MPI reads: `array` itself, or a contiguous native copy of it.
         copied: True when `buffer` is a private copy (needs no protection).
         on_gpu: True for a CuPy input.
+        back: for another library's tensor, what turns the result into that library's
+            kind (see `_core.interop`); None otherwise.
     """
 
     __slots__ = ("array", "buffer", "copied", "on_gpu", "tensor")
+
+    # A class attribute, not a slot: inputs of mpitensor's own kinds pay nothing for it.
+    back: Any = None
 
     def __init__(self, tensor: Tensor | None, array: Any, buffer: Any, copied: bool, on_gpu: bool = False) -> None:
         self.tensor = tensor
@@ -191,6 +261,12 @@ class Input:
         return (Protection(self.tensor, array),)
 
 
+class ForeignInput(Input):
+    """An `Input` taken from another library's tensor or a number (its `back` is set)."""
+
+    __slots__ = ("back",)
+
+
 # The dtypes MPI carries as they are (native byte order); others go through transfer_dtype.
 PLAIN_DTYPES = frozenset(
     np.dtype(t)
@@ -203,9 +279,10 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
     """Check a collective's input and make it ready for MPI.
 
     Non-contiguous or byte-swapped arrays are copied into a contiguous native buffer.
+    Tensors of other libraries and numbers are taken through `_core.interop`.
 
     Raises:
-        TypeError: not a Tensor or NumPy/CuPy array, or a dtype MPI cannot carry.
+        TypeError: not a tensor, array or number, or a dtype MPI cannot carry.
         DeviceError: a GPU tensor on another GPU than this rank's.
     """
     kind = type(value)
@@ -216,10 +293,7 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
     elif kind is np.ndarray or isinstance(value, np.ndarray) or is_cupy_array(value):
         tensor, array = None, value
     else:
-        raise TypeError(
-            f"{what} expects {argument} to be a mpitensor.Tensor or a NumPy array, "
-            f"got {type(value).__name__}"
-        )
+        return _take_foreign(value, ctx, what, argument)
     dtype = array.dtype
     if dtype not in PLAIN_DTYPES:  # the common dtypes pass without a lookup of their MPI type
         dtype = transfer_dtype(dtype)
@@ -235,6 +309,17 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
     buffer = ctx.pool.empty(array.shape, dtype)
     np.copyto(buffer, array, casting="no" if dtype == array.dtype else "equiv")
     return Input(tensor, array, buffer, True)
+
+
+def _take_foreign(value: Any, ctx: DistributedContext, what: str, argument: str) -> ForeignInput:
+    """`take_input` of another library's tensor or a number: its array, and how to give back."""
+    taken = take_foreign(value, ctx.device, what, argument)
+    source = take_input(taken.array, ctx, what, argument)
+    # An array nobody can write in flight (a JAX array, a torch lazy clone, a number) is
+    # read in place, without protection or a copy.
+    foreign_input = ForeignInput(None, source.array, source.buffer, source.copied or taken.private, source.on_gpu)
+    foreign_input.back = taken.back
+    return foreign_input
 
 
 def _check_gpu(array: Any, ctx: DistributedContext, what: str) -> None:

@@ -19,11 +19,12 @@ import numpy as np
 
 from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import ReducePlan, reduce_plan
+from .._core.interop import structure_back
 from .._core.tensor import Tensor, wrap_array
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
-from .common import PLAIN_DTYPES, CollectiveTensor, check_record, start, take_input
+from .common import PLAIN_DTYPES, CollectiveTensor, check_record, follow, start, take_input
 
 __all__ = ["Bucket", "fused_all_reduce", "plan_buckets", "start_buckets", "structure_hash"]
 
@@ -160,12 +161,18 @@ def fused_all_reduce(
     else:
         what = f"every tensor of the {type(structure).__name__}"
         inputs = [take_input(v, ctx, "all_reduce", what) for v in values]
+        # Leaves of other libraries (torch, JAX, numbers) come back in their own kind.
+        back = structure_back(keys, [item.back for item in inputs], type(structure))
         if any(item.on_gpu for item in inputs):
             from .gpu_staged import gpu_fused_all_reduce
 
-            return gpu_fused_all_reduce(ctx, structure, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
+            arrays = _rebuild(structure, keys, [item.buffer for item in inputs])
+            handle = gpu_fused_all_reduce(ctx, arrays, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
+            return follow(handle, back)
         buffers = [item.buffer for item in inputs]  # contiguous, of the input's shape
         devices_out = [item.tensor.device if item.tensor is not None else ctx.cpu_device for item in inputs]
+        handle = _start_fused(ctx, group, structure, keys, buffers, devices_out, reduce_op, bucket_bytes, kind)
+        return follow(handle, back)
     return _start_fused(ctx, group, structure, keys, buffers, devices_out, reduce_op, bucket_bytes, kind)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import reduce_plan, transfer_dtype
+from .._core.interop import describe, numpy_dtype, type_name
 from .._core.tensor import Tensor, wrap_array
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
@@ -27,16 +28,26 @@ __all__ = ["GradientSync"]
 
 
 def _spec(name: str, value: Any) -> tuple[tuple[int, ...], np.dtype]:
-    if isinstance(value, (Tensor, np.ndarray)) or hasattr(value, "__cuda_array_interface__"):
-        return tuple(value.shape), np.dtype(value.dtype)
-    try:
-        shape, dtype = value
-        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        return shape, np.dtype(dtype)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"parameter {name!r}: expected (shape, dtype), a Tensor or an array, got {value!r}"
-        ) from None
+    """The shape and dtype of a registered parameter: a (shape, dtype) pair or a tensor of any library.
+
+    Raises:
+        TypeError: neither (named by its type: a parameter's values are not printed).
+    """
+    if isinstance(value, (tuple, list)):
+        try:
+            shape, dtype = value
+            shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+            return shape, numpy_dtype(dtype)
+        except (TypeError, ValueError):
+            pass
+    else:
+        described = describe(value)
+        if described is not None:
+            return described
+    raise TypeError(
+        f"parameter {name!r}: expected (shape, dtype) or a tensor or array (mpitensor, NumPy, CuPy, "
+        f"torch, JAX), got {type_name(value)}"
+    )
 
 
 class GradientSync:
@@ -44,7 +55,8 @@ class GradientSync:
 
     Args:
         params: parameter name to ``(shape, dtype)`` (or a tensor/array of that shape and
-            dtype), in registration (forward) order. Every rank registers the same.
+            dtype, of any library: ``dict(model.named_parameters())`` works), in
+            registration (forward) order. Every rank registers the same.
         op: the reduction (`ReduceOperation.MEAN` averages, as data-parallel training wants).
         bucket_bytes: the bucket size; None for the context's ``config.bucket_bytes``.
         devices: the group; None for every rank of the context.
@@ -94,6 +106,7 @@ class GradientSync:
         self._sends = [self._ctx.pool.empty((b.elements,), b.plan.work_dtype) for b in self._buckets]
         self._missing = [len(b.members) for b in self._buckets]
         self._submitted: set[str] = set()
+        self._backs: dict[str, Any] = {}  # name -> converter back, for gradients of other libraries
         self._handles: list[CollectiveTensor | None] = [None] * len(self._buckets)
 
     @property
@@ -113,7 +126,8 @@ class GradientSync:
 
         Args:
             name: the parameter's registered name.
-            grad: its gradient (a Tensor or NumPy array of the registered shape and dtype).
+            grad: its gradient (a Tensor or an array of any library, of the registered shape
+                and dtype); `wait()` gives it back in the same library.
 
         Raises:
             ValueError: unknown name, the same name twice in one step, or a wrong shape.
@@ -126,7 +140,7 @@ class GradientSync:
             raise ValueError(
                 f"the gradient of {name!r} was already submitted in this step; call wait() to finish the step"
             )
-        source = take_input(grad, self._ctx, "GradientSync.submit", "grad")
+        source = take_input(grad, self._ctx, f"GradientSync.submit({name!r})", "grad")
         shape, dtype = self._specs[name]
         if tuple(source.array.shape) != shape:
             raise ValueError(f"the gradient of {name!r} has shape {tuple(source.array.shape)}, expected {shape}")
@@ -136,6 +150,8 @@ class GradientSync:
         data = source.buffer.get() if source.on_gpu else source.buffer
         np.copyto(self._sends[index][offset : offset + size], data.reshape(-1), casting="unsafe")
         self._submitted.add(name)
+        if source.back is not None:
+            self._backs[name] = source.back
         self._missing[index] -= 1
         if self._missing[index] == 0:
             self._start(index)
@@ -169,7 +185,8 @@ class GradientSync:
             timeout: seconds to wait at most for each bucket; None for the context's.
 
         Returns:
-            Parameter name to reduced gradient, in registration order.
+            Parameter name to reduced gradient, in registration order (a torch tensor for a
+            gradient submitted as one, and so on).
 
         Raises:
             RuntimeError: some gradients were not submitted in this step.
@@ -182,10 +199,13 @@ class GradientSync:
             )
         limit = timeout_arg(timeout, self._ctx)
         reduced: dict[str, Tensor] = {}
+        backs = self._backs
         try:
             for handle in self._handles:
                 assert handle is not None
                 reduced.update(handle.resolve(limit))
         finally:
             self._reset()
+        if backs:
+            return {name: backs[name](reduced[name]) if name in backs else reduced[name] for name in self._specs}
         return {name: reduced[name] for name in self._specs}

@@ -15,11 +15,12 @@ import numpy as np
 from .._core.device import Device
 from .._core.dtypes import mpi_datatype
 from .._core.errors import CollectiveMismatchError
+from .._core.interop import numpy_dtype
 from .._core.tensor import Tensor
 from .._runtime.check import dtype_code, dtype_from_code
 from .._runtime.context import DistributedContext
 from .._runtime.engine import Op
-from .common import CollectiveTensor, Later, context_for, result_device, root_rank, start, take_input
+from .common import CollectiveTensor, Later, context_for, follow, result_device, root_rank, start, take_input
 
 __all__ = ["recv", "send"]
 
@@ -149,7 +150,7 @@ def _expected(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
     """
     if shape is None or dtype is None:
         raise TypeError("recv: give both shape= and dtype= (or a template tensor)")
-    return ((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype))
+    return ((shape,) if isinstance(shape, int) else tuple(shape), numpy_dtype(dtype))
 
 
 def recv(
@@ -197,7 +198,7 @@ def recv(
         if template.on_gpu:
             from .gpu_staged import gpu_recv
 
-            return gpu_recv(ctx, peer, tag, expect)
+            return follow(gpu_recv(ctx, peer, tag, expect), template.back)
     elif shape is not None or dtype is not None:
         expect = _expected(shape, dtype)
     later = Later()
@@ -211,4 +212,4 @@ def recv(
         return receive[0].finish()
 
     op = Op(f"recv from rank {peer}", ctx.p2p_group, 0, post, finish)
-    return start(ctx, op, later)
+    return follow(start(ctx, op, later), template.back if input is not None else None)

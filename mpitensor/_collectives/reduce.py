@@ -16,6 +16,7 @@ from .common import (
     check_record,
     context_for,
     finish_reduction,
+    follow,
     group_root,
     reduction_buffers,
     reduction_input,
@@ -60,7 +61,7 @@ def reduce(
     if source.on_gpu:
         from .gpu_staged import gpu_reduce
 
-        return gpu_reduce(ctx, source, reduce_op, group, root_at)
+        return follow(gpu_reduce(ctx, source, reduce_op, group, root_at), source.back)
     plan = reduce_plan(reduce_op, source.buffer.dtype)
     array = source.array
     send, protections = reduction_input(ctx, source, plan)
@@ -84,4 +85,4 @@ def reduce(
         "reduce", group, array.nbytes, post, finish, record=record, keep=(send, out, final),
         protections=protections,
     )
-    return start(ctx, collective, result)
+    return follow(start(ctx, collective, result), source.back)

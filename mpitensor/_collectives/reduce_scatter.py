@@ -15,6 +15,7 @@ from .common import (
     check_record,
     context_for,
     finish_reduction,
+    follow,
     reduction_buffers,
     reduction_input,
     result_device,
@@ -81,7 +82,7 @@ def reduce_scatter(
     if source.on_gpu:
         from .gpu_staged import gpu_reduce_scatter
 
-        return gpu_reduce_scatter(ctx, source, reduce_op, group)
+        return follow(gpu_reduce_scatter(ctx, source, reduce_op, group), source.back)
     plan = reduce_plan(reduce_op, source.buffer.dtype)
     array = source.array
     # A bad shape is raised when the data is posted, after the check: ranks that
@@ -104,4 +105,4 @@ def reduce_scatter(
     record = check_record(ctx, group, Record("reduce_scatter", reduce_op, array.dtype, array.shape, -1, group.members))
     collective = Op("reduce_scatter", group, array.nbytes, post, finish, record=record, keep=(send, out, final),
                     protections=protections)
-    return start(ctx, collective, result)
+    return follow(start(ctx, collective, result), source.back)

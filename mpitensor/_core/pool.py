@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HostPool", "Lease", "end_lease", "leased_array", "make_lease", "size_class"]
+__all__ = ["HostPool", "Lease", "Private", "end_lease", "leased_array", "make_lease", "size_class"]
 
 
 class Lease(np.ndarray):
@@ -41,6 +41,16 @@ class Lease(np.ndarray):
         owner = self.__dict__.get("owner")  # only the lease itself, not views of it
         if owner is not None:
             owner.give_back(self.__dict__["token"])
+
+
+class Private(np.ndarray):
+    """The base of a view of memory that no one but mpitensor writes while it is sent.
+
+    A copy-on-write clone of another library's tensor (see `_core.interop`): its owner
+    writes to fresh memory of its own, so, like NumPy's and the pool's memory, the view is
+    protected, not copied (`protect.foreign` is False for it). The view handed out is a plain
+    ndarray whose base is the `Private` array (NumPy keeps a base of another type).
+    """
 
 
 def make_lease(memory: np.ndarray, owner: Any, token: Any) -> Lease:

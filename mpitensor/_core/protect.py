@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .pool import Lease
+from .pool import Lease, Private
 from .tensor import Tensor, tensors_in_flight
 
 __all__ = ["Protection", "foreign", "restorable"]
@@ -56,7 +56,7 @@ def foreign(array: np.ndarray) -> bool:
     """
     base = array
     while isinstance(base, np.ndarray):
-        if base.base is None or isinstance(base, Lease):
+        if base.base is None or isinstance(base, (Lease, Private)):
             return False
         base = base.base
     return True

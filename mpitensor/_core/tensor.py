@@ -18,6 +18,7 @@ from . import state as _state
 from .backend import array_module, is_cupy_array, is_supported_array, require_cuda_device, require_cupy
 from .device import Device
 from .errors import DeviceError, TensorInFlightError
+from .interop import numpy_dtype, to_array
 from .mpi import world_rank
 
 __all__ = [
@@ -425,8 +426,10 @@ def tensor(data: Any, *, dtype: Any = None, device: Device | str | None = None) 
     """A new tensor holding a copy of `data`.
 
     Args:
-        data: a scalar, nested sequence, NumPy/CuPy array or `Tensor`.
-        dtype: the element type; inferred from `data` when None (NumPy's rules).
+        data: a scalar, nested sequence, `Tensor`, or array of any library (NumPy, CuPy,
+            torch, JAX, DLPack).
+        dtype: the element type (a NumPy, torch or JAX dtype); inferred from `data` when
+            None (NumPy's rules).
         device: where to put it; the current context's device when None.
 
     Raises:
@@ -434,6 +437,9 @@ def tensor(data: Any, *, dtype: Any = None, device: Device | str | None = None) 
     """
     target = resolve_device(device)
     data = _unwrap(data)
+    dtype = _dtype(dtype)
+    if _foreign(data):
+        data = to_array(data, None, "tensor", "data")
     if target.kind == "cpu":
         if is_cupy_array(data):
             data = data.get()
@@ -446,14 +452,33 @@ def tensor(data: Any, *, dtype: Any = None, device: Device | str | None = None) 
 def as_tensor(data: Any, *, device: Device | None = None) -> Tensor:
     """`data` as a tensor, sharing memory where possible (a `Tensor` comes back as is).
 
+    Args:
+        data: a `Tensor`, or an array of any library: NumPy, CuPy, torch (CPU and CUDA;
+            the data of a tensor that requires grad), JAX (read-only), or any object with
+            ``__dlpack__``, ``__array_interface__`` or ``__cuda_array_interface__``.
+        device: the device the data lives on; derived from it when None.
+
     Raises:
-        TypeError: `data` is not a Tensor or a NumPy/CuPy array.
+        TypeError: `data` is none of these.
     """
     if isinstance(data, Tensor):
         return data
     if not is_supported_array(data):
-        raise TypeError(f"expected a mpitensor.Tensor or a NumPy/CuPy ndarray, got {type(data).__name__}")
+        data = to_array(data, None, "as_tensor", "data")
     return Tensor(data, device if device is not None else _device_of_array(data))
+
+
+def _foreign(data: Any) -> bool:
+    """True for an array of another library (not NumPy, CuPy, a sequence or a Python number)."""
+    kind = type(data)
+    if kind is np.ndarray or kind in (list, tuple, int, float, bool, complex) or isinstance(data, np.generic):
+        return False
+    return not is_supported_array(data) and not isinstance(data, (list, tuple))
+
+
+def _dtype(dtype: Any) -> Any:
+    """A factory's `dtype` as NumPy takes it (torch dtypes converted); None stays None."""
+    return None if dtype is None else numpy_dtype(dtype)
 
 
 def from_numpy(array: np.ndarray) -> Tensor:
@@ -469,6 +494,7 @@ def from_numpy(array: np.ndarray) -> Tensor:
 
 def _factory(name: str, shape: ShapeLike, dtype: Any, device: Device | str | None, *extra: Any) -> Tensor:
     target = resolve_device(device)
+    dtype = _dtype(dtype)
     xp = array_module(target.kind)
     if target.kind == "cpu":
         return Tensor(getattr(xp, name)(shape, *extra, dtype=dtype), target)
@@ -508,6 +534,7 @@ def arange(
     if stop is None:
         start, stop = 0, start
     target = resolve_device(device)
+    dtype = _dtype(dtype)
     xp = array_module(target.kind)
     if target.kind == "cpu":
         return Tensor(xp.arange(start, stop, step, dtype=dtype), target)

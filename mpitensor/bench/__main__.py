@@ -1,10 +1,11 @@
-"""``python -m mpitensor.bench [all|sweep|overlap|fused|report] ...`` (under mpiexec but report).
+"""``python -m mpitensor.bench [all|sweep|overlap|fused|interop|report] ...`` (under mpiexec but report).
 
 Examples::
 
     mpiexec -n 2 python -m mpitensor.bench                      # everything, full sweep
     mpiexec -n 2 python -m mpitensor.bench sweep --sizes 8,1M,16M --reps 3
     mpiexec -n 4 python -m mpitensor.bench all --quick          # a short sanity run
+    mpiexec -n 2 python -m mpitensor.bench interop              # torch input against NumPy input
     python -m mpitensor.bench report bench-results/*.json       # the targets table
 """
 
@@ -23,8 +24,9 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpitensor.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="all", choices=["all", "sweep", "overlap", "fused", "report"],
-                        help="what to run (default: all three benchmarks)")
+    parser.add_argument("command", nargs="?", default="all",
+                        choices=["all", "sweep", "overlap", "fused", "interop", "report"],
+                        help="what to run (default: all the benchmarks)")
     parser.add_argument("files", nargs="*", help="report: the JSON files of the runs")
     parser.add_argument("--sizes", default="8:64M", help="sweep sizes: 'LOW:HIGH' powers of two or a list (8:64M)")
     parser.add_argument("--overlap-sizes", default="64K:64M", help="overlap sizes (64K:64M)")
@@ -33,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", default=None, help="sweep variants, comma-separated (default: all)")
     parser.add_argument("--count", type=int, default=256, help="fused: how many tensors (256)")
     parser.add_argument("--tensor-bytes", default="4K", help="fused: bytes per tensor (4K)")
+    parser.add_argument("--interop-sizes", default="1M,16M", help="interop: sizes (1M,16M)")
     parser.add_argument("--out", default="bench-results", help="output folder (bench-results)")
     parser.add_argument("--name", default=None, help="file name stem (default: <mpi>-np<ranks>)")
     parser.add_argument("--no-gloo", action="store_true", help="skip the torch gloo baseline")
@@ -116,6 +119,13 @@ def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], over
         say(f"fused: {args.count} tensors of {format_size(tensor_bytes)}")
         result = run_fused(args.count, tensor_bytes, reps=args.reps, target=args.target, progress=say)
         out.publish("fused", result, format_fused)
+    if args.command in ("all", "interop"):
+        from ._common import parse_sizes
+        from .interop import format_interop, run_interop
+
+        say("interop: torch input against NumPy input")
+        result = run_interop(parse_sizes(args.interop_sizes), reps=args.reps, target=args.target, progress=say)
+        out.publish("interop", result, format_interop)
 
 
 class _Output:

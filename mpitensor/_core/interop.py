@@ -1,0 +1,371 @@
+"""Tensors of other libraries in, results in the same library out.
+
+A collective takes torch tensors (parameters and tensors that require grad included: their
+data is sent), JAX arrays, anything with ``__dlpack__``, ``__array_interface__`` or
+``__cuda_array_interface__``, NumPy scalars and Python numbers. `take` turns such a value
+into the NumPy or CuPy array to communicate and a *converter back*, which turns the
+collective's result into the input's kind: a torch tensor on the input's device (bfloat16
+included), a JAX array, a Python number (a list for a gathered vector), a NumPy scalar.
+NumPy arrays, CuPy arrays and `Tensor`s never come here.
+
+Zero copy where it is safe. A torch tensor's memory cannot be made read-only, so a CPU
+tensor of `COW_BYTES` or more is sent through a copy-on-write clone (torch's lazy clone):
+no copy while nobody writes, and a write to the tensor while the collective reads it gives
+the tensor fresh memory (torch copies then) and leaves the data in flight as it was.
+Smaller, non-contiguous tensors and tensors over NumPy memory (``torch.from_numpy``),
+which torch cannot clone lazily, are copied at the call, as other foreign memory is
+(`protect.foreign`). CUDA tensors are copied on the device. JAX arrays are immutable and
+are read in place. torch and JAX are imported only once a value of theirs is seen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .device import Device
+from .errors import DeviceError
+from .halfprec import bfloat16_dtype, is_bfloat16
+from .pool import Private
+
+__all__ = [
+    "COW_BYTES",
+    "Taken",
+    "describe",
+    "numpy_dtype",
+    "structure_back",
+    "take",
+    "to_array",
+    "type_name",
+]
+
+# From this size a torch CPU tensor is sent through a lazy clone rather than copied: below
+# it, a copy costs less than the clone and the view built on it (a few microseconds).
+COW_BYTES = 64 << 10
+
+Back = Callable[[Any], Any]
+
+
+class Taken(NamedTuple):
+    """A foreign value made ready to communicate.
+
+    Attributes:
+        array: the NumPy or CuPy array to send.
+        back: turns a result (a `Tensor`, None, ...) into the input's kind; None keeps it.
+        private: True when nobody can write `array` while it is sent (needs no protection).
+    """
+
+    array: Any
+    back: Back | None
+    private: bool
+
+
+def _library(value: Any) -> str:
+    """The top-level module of `value`'s type (``"torch"``, ``"jaxlib"``, ...)."""
+    return type(value).__module__.partition(".")[0]
+
+
+def _is_torch(value: Any) -> bool:
+    if _library(value) != "torch":
+        return False
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _is_jax(value: Any) -> bool:
+    if _library(value) not in ("jax", "jaxlib"):
+        return False
+    import jax
+
+    return isinstance(value, jax.Array)
+
+
+def type_name(value: Any) -> str:
+    """How messages name `value`'s type: ``torch.Tensor on cuda:1``, ``jax.Array``, ``numpy.float64``."""
+    if _is_torch(value):
+        import torch
+
+        name = "torch.nn.Parameter" if isinstance(value, torch.nn.Parameter) else "torch.Tensor"
+        return f"{name} on {value.device}"
+    if _is_jax(value):
+        return "jax.Array"
+    kind = type(value)
+    module = kind.__module__
+    if module == "builtins":
+        return kind.__qualname__
+    return f"{module.partition('.')[0]}.{kind.__qualname__}"
+
+
+# -- dtypes ---------------------------------------------------------------------------------
+
+
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """`dtype` as a NumPy dtype: NumPy and JAX dtypes, names, and torch dtypes.
+
+    Raises:
+        TypeError: a torch dtype NumPy has no equal of, or not a dtype at all.
+    """
+    if isinstance(dtype, np.dtype):
+        return dtype
+    if _library(dtype) == "torch":
+        return _from_torch_dtype(dtype)
+    return np.dtype(dtype)
+
+
+def _from_torch_dtype(dtype: Any) -> np.dtype:
+    name = str(dtype).removeprefix("torch.")
+    if name == "bfloat16":
+        found = bfloat16_dtype()
+        if found is None:
+            raise TypeError("torch.bfloat16 needs the ml_dtypes package: pip install 'mpitensor[bf16]'")
+        return found
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise TypeError(f"dtype {dtype} cannot be communicated: it has no NumPy equivalent") from None
+
+
+# -- values in ------------------------------------------------------------------------------
+
+
+def take(value: Any, device: Device, what: str, argument: str = "input") -> Taken:
+    """The array to communicate for a foreign `value`, and how to give the result back.
+
+    Args:
+        value: a torch tensor, JAX array, DLPack or array-interface object, NumPy scalar
+            or Python number.
+        device: this rank's device (a CUDA tensor must be on it).
+        what: the calling collective, for messages.
+        argument: the argument's name, for messages.
+
+    Raises:
+        TypeError: a value of no kind mpitensor can read.
+        DeviceError: a GPU tensor on a device other than this rank's.
+    """
+    kind = type(value)
+    if kind in (float, int, bool, complex):
+        return Taken(np.asarray(value), _python_back, True)
+    if isinstance(value, np.generic):
+        return Taken(np.asarray(value), _numpy_scalar_back, True)
+    if _is_torch(value):
+        return _take_torch(value, device, what)
+    if _is_jax(value):
+        return _take_jax(value, device, what)
+    return Taken(to_array(value, device, what, argument), None, False)
+
+
+def to_array(value: Any, device: Device | None, what: str, argument: str = "input") -> Any:
+    """`value` as a NumPy or CuPy array sharing its memory where the library allows.
+
+    Raises:
+        TypeError: `value` exposes no array data.
+        DeviceError: a GPU array on another device than this rank's.
+    """
+    if _is_torch(value):
+        value = value.detach().resolve_conj().resolve_neg()
+        if value.device.type == "cuda":
+            return _from_cuda(value, device, what, "torch.Tensor")
+        _check_torch_cpu(value, what)
+        return _torch_numpy(value)
+    if hasattr(value, "__cuda_array_interface__"):
+        return _from_cuda(value, device, what, type_name(value))
+    if hasattr(value, "__array_interface__") or isinstance(value, (np.generic, int, float, complex)):
+        return np.asarray(value)
+    if hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__"):
+        device_type = value.__dlpack_device__()[0]
+        if device_type == 1:  # kDLCPU
+            return np.from_dlpack(value)
+        if device_type == 2:  # kDLCUDA
+            return _from_cuda(value, device, what, type_name(value))
+    raise TypeError(
+        f"{what} expects {argument} to be a mpitensor.Tensor, an array (NumPy, CuPy, torch, JAX, or "
+        f"any object with __dlpack__ or __array_interface__) or a number, got {type_name(value)}"
+    )
+
+
+def _check_torch_cpu(tensor: Any, what: str) -> None:
+    if tensor.device.type != "cpu":
+        raise DeviceError(
+            f"{what} got torch.Tensor on {tensor.device}: mpitensor carries CPU and CUDA tensors; "
+            "move it with tensor.cpu()"
+        )
+    import torch
+
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{what} got a torch tensor of layout {tensor.layout}; use a dense (strided) tensor")
+
+
+def _torch_numpy(tensor: Any) -> np.ndarray:
+    """A NumPy view of a CPU torch tensor (bfloat16 viewed through its 16-bit words)."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(numpy_dtype(tensor.dtype))
+    return tensor.numpy()
+
+
+def _from_cuda(value: Any, device: Device | None, what: str, name: str) -> Any:
+    """A CuPy view of a CUDA array of another library, checked to be on this rank's GPU."""
+    index = _cuda_index(value)
+    if device is not None and (device.kind != "cuda" or device.index != index):
+        raise DeviceError(
+            f"{what} got {name} on cuda:{index}, but this rank's device is {device}; "
+            f"move it to {device} first"
+        )
+    from .backend import require_cupy
+
+    cupy = require_cupy()
+    if hasattr(value, "__dlpack__"):
+        return cupy.from_dlpack(value)
+    return cupy.asarray(value)
+
+
+def _cuda_index(value: Any) -> int:
+    if hasattr(value, "__dlpack_device__"):
+        return int(value.__dlpack_device__()[1])
+    return int(getattr(value, "device", None).id)
+
+
+def _take_torch(tensor: Any, device: Device, what: str) -> Taken:
+    import torch
+
+    data = tensor.detach().resolve_conj().resolve_neg()
+    back = functools.partial(_torch_back, data.device, data.dtype)
+    if data.device.type == "cuda":
+        if data.dtype == torch.bfloat16:
+            raise TypeError(f"{what}: bfloat16 CUDA tensors are not supported (CuPy has no bfloat16); use .float()")
+        # torch can write the tensor on its own stream at any time: send a device copy.
+        return Taken(_from_cuda(data, device, what, type_name(tensor)).copy(), back, True)
+    _check_torch_cpu(data, what)
+    if data.is_contiguous() and data.numel() * data.element_size() >= COW_BYTES:
+        clone = _lazy_clone(data)
+        if clone is not None:
+            return Taken(_view_of_clone(clone, data), back, True)
+    # A view: the collective copies it at the call (memory torch owns, see `protect.foreign`).
+    return Taken(_torch_numpy(data), back, False)
+
+
+def _lazy_clone(tensor: Any) -> Any:
+    """A copy-on-write clone of `tensor`, or None where this torch cannot make one."""
+    import torch
+
+    clone = getattr(torch, "_lazy_clone", None)
+    if clone is None:
+        return None
+    try:
+        return clone(tensor)
+    except RuntimeError:  # memory torch does not own (torch.from_numpy) cannot be shared lazily
+        return None
+
+
+def _view_of_clone(clone: Any, tensor: Any) -> np.ndarray:
+    """A read-only NumPy view of a lazy clone's memory, keeping the clone alive.
+
+    Built from ``const_data_ptr()``: a mutable access (``data_ptr()``, ``numpy()``) would
+    make torch copy the memory at once.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    block = (ctypes.c_char * nbytes).from_address(clone.const_data_ptr())
+    block.clone = clone  # the clone, and with it the shared memory, lives as long as the view
+    # Over a `Private` array (made straight on the block, so NumPy keeps it as the base, as
+    # the pool does with its leases): the collective protects it instead of copying it.
+    private = np.ndarray.__new__(Private, tuple(tensor.shape), numpy_dtype(tensor.dtype), block)
+    array = private.view(np.ndarray)
+    array.flags.writeable = False
+    return array
+
+
+def _take_jax(array: Any, device: Device, what: str) -> Taken:
+    (where,) = array.devices()
+    back = functools.partial(_jax_back, where)
+    if where.platform == "gpu":
+        # JAX arrays are immutable: read in place.
+        return Taken(_from_cuda(array, device, what, "jax.Array"), back, True)
+    return Taken(np.asarray(array), back, True)
+
+
+# -- results out ----------------------------------------------------------------------------
+
+
+def _python_back(result: Any) -> Any:
+    return None if result is None else result.array.tolist()
+
+
+def _numpy_scalar_back(result: Any) -> Any:
+    if result is None or result.ndim:
+        return result
+    return result.array[()]
+
+
+def _torch_back(device: Any, dtype: Any, result: Any) -> Any:
+    """`result` (a `Tensor`) as a torch tensor on `device`, sharing its memory."""
+    if result is None:
+        return None
+    import torch
+
+    array = result.array
+    if device.type == "cuda":
+        return torch.from_dlpack(array)
+    if is_bfloat16(array.dtype):
+        return _from_numpy(torch, array.view(np.int16)).view(torch.bfloat16)
+    return _from_numpy(torch, array)
+
+
+def _from_numpy(torch: Any, array: np.ndarray) -> Any:
+    # The tensor holds the array, and through it the pool's lease: the buffer is not
+    # reused while the tensor (or any view of it) lives.
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    import warnings
+
+    with warnings.catch_warnings():  # a result still in flight (assume_resolved) is read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+def _jax_back(device: Any, result: Any) -> Any:
+    """`result` as a JAX array on `device` (JAX copies host data into its own buffer)."""
+    if result is None:
+        return None
+    import jax
+
+    array = result.array
+    if not isinstance(array, np.ndarray):
+        return jax.numpy.from_dlpack(array)
+    return jax.device_put(array, device)
+
+
+def structure_back(keys: list[Any], backs: list[Back | None], container: type) -> Back | None:
+    """A converter back for a list, tuple or dict of results; None if no leaf needs one."""
+    if all(back is None for back in backs):
+        return None
+
+    def back(result: Any) -> Any:
+        values = result.values() if isinstance(result, dict) else result
+        converted = [value if fn is None else fn(value) for fn, value in zip(backs, values)]
+        if container is dict:
+            return dict(zip(keys, converted))
+        return container(converted)
+
+    return back
+
+
+def describe(value: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+    """The shape and NumPy dtype of a tensor or array of any library, without reading its data.
+
+    Returns:
+        None for a value that is not a tensor or array.
+    """
+    if _is_torch(value):
+        return tuple(value.shape), numpy_dtype(value.dtype)
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        try:
+            return tuple(int(d) for d in value.shape), numpy_dtype(value.dtype)
+        except TypeError:
+            return None
+    return None
