@@ -7,7 +7,7 @@ import pytest
 
 import mpitensor as mt
 from tests.conftest import GROUP_KINDS, group_members
-from tests.helpers import ALL_DTYPES, OP, SHAPES, assert_matches, rank_input, reference, seed_of
+from tests.helpers import ALL_DTYPES, OP, rejects, SHAPES, assert_matches, rank_input, reference, seed_of
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -21,6 +21,10 @@ def test_every_op_dtype_shape_on_the_world(module_ctx, op, dtype, shape):
     ctx = module_ctx
     seed = seed_of(op.name, np.dtype(dtype).name, shape)
     mine = rank_input(seed, ctx.rank, shape, dtype)
+    if rejects(op, dtype):
+        with pytest.raises(TypeError, match=f"{op.name} is a bitwise reduction, defined for integer and bool"):
+            mt.all_reduce(mt.tensor(mine), op)
+        return
     result = mt.all_reduce(mt.tensor(mine), op).resolve()
     expected = reference(op, [rank_input(seed, r, shape, dtype) for r in range(ctx.size)])
     assert isinstance(result, mt.Tensor)
@@ -38,6 +42,10 @@ def test_groups(module_ctx, kind, op, dtype):
         pytest.skip(f"rank {ctx.rank} is outside the {kind} group")
     seed = seed_of(kind, op.name, np.dtype(dtype).name)
     mine = rank_input(seed, ctx.rank, (3, 4), dtype)
+    if rejects(op, dtype):
+        with pytest.raises(TypeError, match="bitwise reduction"):
+            mt.all_reduce(mine, op, devices=[ctx.devices[r] for r in members])
+        return
     result = mt.all_reduce(mine, op, devices=[ctx.devices[r] for r in members]).resolve()
     expected = reference(op, [rank_input(seed, r, (3, 4), dtype) for r in members])
     assert_matches(result, expected, op, len(members))
