@@ -19,17 +19,13 @@ __all__ = ["gather"]
 
 
 def gather(
-    input: Any,  # noqa: A002 - the name every collective uses
-    root: int | Device = 0,
-    *,
-    axis: int = 0,
-    devices: DevicesArg = None,
+    input: Any, root: int | Device = 0, *, axis: int = 0, devices: DevicesArg = None,  # noqa: A002
 ) -> CollectiveTensor:
     """Start a gather to the root (``MPI_Igather``/``MPI_Igatherv``) and return at once.
 
-    Ranks may differ in the length of `axis` (the lengths travel with the consistency
-    check's exchange, then ``MPI_Igatherv`` runs); every other dimension must agree. A 0-d
-    tensor counts as one element, so gathering scalars gives a vector of one value per rank.
+    Ranks may differ in the length of `axis` (exchanged with the consistency check, then
+    ``MPI_Igatherv`` runs); every other dimension must agree. A 0-d tensor counts as one
+    element.
 
     Args:
         input: this rank's tensor (a `Tensor` or NumPy array).
@@ -43,9 +39,8 @@ def gather(
 
     Raises:
         TypeError: bad input, dtype or axis type.
-        ValueError: `axis` is out of range, or the root is not in the group (raised on every rank).
-        CollectiveMismatchError: the ranks disagree on dtype, the other dimensions, axis,
-            root or group.
+        ValueError: `axis` is out of range, or the root is not in the group (on every rank).
+        CollectiveMismatchError: the ranks disagree on dtype, other dimensions, axis, root or group.
     """
     ctx = context_for("gather")
     source = take_input(input, ctx, "gather")
@@ -61,9 +56,8 @@ def gather(
     send, copied = to_front(ctx, array, axis)
     source.copied = source.copied or copied
     length, rest = send.shape[0], send.shape[1:]
-    template = list(array.shape)
-    template[axis] = -1
-    record = Record("gather", None, array.dtype, tuple(template), root_at, group.members, per_rank=length, extra=axis)
+    template = tuple(-1 if d == axis else n for d, n in enumerate(array.shape))
+    record = Record("gather", None, array.dtype, template, root_at, group.members, per_rank=length, extra=axis)
     datatype = mpi_datatype(array.dtype)
     block = int(np.prod(rest, dtype=np.int64))
     later, device, comm, is_root = Later(), result_device(ctx, source), group.comm, root_at == ctx.rank
@@ -72,9 +66,8 @@ def gather(
         index = group_root(group, root_at, "gather")
         uniform = len(set(lengths)) == 1
         receive = None
-        if is_root:
+        if is_root:  # gathered along the first axis; the result is a view with the axis moved back
             gathered = ctx.pool.empty((sum(lengths), *rest), array.dtype)
-            # Gathered along the first axis; the result is a view with the axis moved back.
             later.value = Tensor(np.moveaxis(gathered, 0, axis) if axis else gathered, device)
             counts = [n * block for n in lengths]
             receive = [gathered, datatype] if uniform else [gathered, counts, displacements(counts), datatype]

@@ -22,20 +22,13 @@ _MASK = (1 << 62) - 1
 
 
 def scatter(
-    input: Any,  # noqa: A002 - the name every collective uses
-    root: int | Device = 0,
-    *,
-    axis: int = 0,
-    counts: Sequence[int] | None = None,
-    shape: tuple[int, ...] | None = None,
-    dtype: Any = None,
-    devices: DevicesArg = None,
+    input: Any, root: int | Device = 0, *, axis: int = 0, counts: Sequence[int] | None = None,  # noqa: A002
+    shape: tuple[int, ...] | None = None, dtype: Any = None, devices: DevicesArg = None,
 ) -> CollectiveTensor:
     """Start a scatter from the root (``MPI_Iscatter``/``MPI_Iscatterv``) and return at once.
 
-    The root's tensor is split along `axis`: into equal blocks (the length must divide by
-    the group size), or into `counts[k]` slices for the group's k-th rank. Every rank gets
-    its block as a fresh tensor.
+    The root's tensor is split along `axis` into equal blocks, or `counts[k]` slices for
+    the group's k-th rank; every rank gets its block as a fresh tensor.
 
     Args:
         input: on the root, the whole tensor. Elsewhere None (with `shape` and `dtype`),
@@ -44,8 +37,7 @@ def scatter(
         axis: the axis to split along (negative counts from the end).
         counts: the length of each rank's block along `axis`, in group order (summing to
             that length); None for equal blocks. Every rank passes the same counts.
-        shape: the root's whole shape, on ranks that pass None.
-        dtype: the root's dtype, on ranks that pass None.
+        shape, dtype: the root's whole shape and dtype, on ranks that pass None.
         devices: the group; None for every rank of the context.
 
     Returns:
@@ -53,10 +45,10 @@ def scatter(
         a CPU tensor).
 
     Raises:
-        TypeError: the root passes None, a non-root passes None without shape and dtype,
-            or bad input, dtype, axis or counts types.
-        ValueError: `axis` out of range, a 0-d tensor, counts that do not fit the length,
-            a length that does not divide into equal blocks, or a root outside the group.
+        TypeError: the root passes None, a non-root passes None without shape and
+            dtype, or bad input, dtype, axis or counts types.
+        ValueError: bad axis, a 0-d tensor, counts that do not fit, a length that does
+            not divide into equal blocks, or a root outside the group.
         CollectiveMismatchError: the ranks disagree on shape, dtype, axis, counts, root or group.
     """
     ctx = context_for("scatter")
@@ -70,22 +62,12 @@ def scatter(
         return staged(ctx, source, group, lambda host, members: scatter(
             host, root_at, axis=axis, counts=counts, devices=members))
     whole, whole_dtype = _whole(is_root, source, shape, dtype)
-    if not whole:
-        raise ValueError("scatter: the tensor must have at least one dimension to split, got a 0-d one")
     axis = axis_arg(axis, len(whole), "scatter")
     blocks = _blocks(whole[axis], group.size, counts)
-    rest = whole[:axis] + whole[axis + 1:]
-    out = ctx.pool.empty((blocks[group.rank], *rest), whole_dtype)
-    device = ctx.cpu_device if source is None else result_device(ctx, source)
-    result = Tensor(np.moveaxis(out, 0, axis) if axis else out, device)
-    send, protections = None, ()
-    if is_root and source is not None:
-        protections = source.guard(ctx)
-        send, _ = to_front(ctx, source.buffer, axis)
-    datatype, comm = mpi_datatype(whole_dtype), group.comm
-    block = int(np.prod(rest, dtype=np.int64))
-    elements = [n * block for n in blocks]
-    uniform = counts is None
+    out, result = _receive(ctx, source, whole, whole_dtype, axis, blocks[group.rank])
+    send, protections = _send_buffer(ctx, source if is_root else None, axis)
+    datatype, comm, uniform = mpi_datatype(whole_dtype), group.comm, counts is None
+    elements = [n * int(np.prod(out.shape[1:], dtype=np.int64)) for n in blocks]
 
     def post() -> list[Any]:
         index = group_root(group, root_at, "scatter")
@@ -100,13 +82,33 @@ def scatter(
     return start(ctx, op, result)
 
 
+def _receive(ctx: Any, source: Any, whole: tuple[int, ...], dtype: np.dtype, axis: int,
+             rows: int) -> tuple[np.ndarray, Tensor]:
+    """The buffer this rank receives into (`axis` in front, `rows` long) and the result tensor viewing it."""
+    out = ctx.pool.empty((rows, *whole[:axis], *whole[axis + 1:]), dtype)
+    device = ctx.cpu_device if source is None else result_device(ctx, source)
+    return out, Tensor(np.moveaxis(out, 0, axis) if axis else out, device)
+
+
+def _send_buffer(ctx: Any, source: Any, axis: int) -> tuple[Any, tuple[Any, ...]]:
+    """The root's tensor with `axis` in front, and its protections; (None, ()) on other ranks."""
+    if source is None:
+        return None, ()
+    protections = source.guard(ctx)
+    send, _ = to_front(ctx, source.buffer, axis)
+    return send, protections
+
+
 def _whole(is_root: bool, source: Any, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
     """The root's whole shape and dtype, from the input or from `shape` and `dtype`.
 
     Raises:
         TypeError: the root passes None, or `shape` or `dtype` is missing or not a dtype.
+        ValueError: the tensor has no dimension to split.
     """
     if source is not None:
+        if not source.buffer.ndim:
+            raise ValueError("scatter: the tensor must have at least one dimension to split, got a 0-d one")
         return tuple(source.buffer.shape), source.buffer.dtype
     if is_root:
         raise TypeError("scatter: the root must pass the tensor to split, got None")
