@@ -8,7 +8,7 @@ import pytest
 import mpitensor as mt
 from mpitensor._collectives.fused import plan_buckets
 from mpitensor._core.dtypes import reduce_plan
-from tests.helpers import OP, rejects, assert_matches, rank_input, reference, seed_of
+from tests.helpers import OP, assert_matches, rank_input, reference, rejects, seed_of
 
 SPECS = [((3,), np.float32), ((2, 5), np.float64), ((), np.int32), ((4,), np.int8), ((0,), np.float32),
          ((7, 3), np.float32), ((6,), np.bool_), ((2,), np.complex128)]

@@ -15,7 +15,7 @@ from hypothesis.extra.numpy import array_shapes
 
 import mpitensor as mt
 from tests.conftest import GROUP_KINDS, group_members
-from tests.helpers import ALL_DTYPES, BITWISE, OP, every_rank_settings, rejects, rank_input, reference, tolerance
+from tests.helpers import ALL_DTYPES, BITWISE, OP, every_rank_settings, rank_input, reference, rejects, tolerance
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

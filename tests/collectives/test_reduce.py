@@ -7,7 +7,7 @@ import pytest
 
 import mpitensor as mt
 from tests.conftest import GROUP_KINDS, group_members
-from tests.helpers import ALL_DTYPES, OP, rejects, assert_matches, rank_input, reference, seed_of
+from tests.helpers import ALL_DTYPES, OP, assert_matches, rank_input, reference, rejects, seed_of
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

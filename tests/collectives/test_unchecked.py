@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from tests.helpers import OP, rejects, assert_matches, rank_input, reference, seed_of
+from tests.helpers import OP, assert_matches, rank_input, reference, rejects, seed_of
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
