@@ -22,8 +22,12 @@ from ._collectives import all_reduce as _all_reduce
 from ._collectives import all_to_all as _all_to_all
 from ._collectives import barrier as _barrier
 from ._collectives import broadcast as _broadcast
+from ._collectives import gather as _gather
+from ._collectives import objects as _objects
 from ._collectives import reduce as _reduce
 from ._collectives import reduce_scatter as _reduce_scatter
+from ._collectives import scan as _scan
+from ._collectives import scatter as _scatter
 from ._collectives.common import CollectiveTensor
 from ._collectives.gradient_sync import GradientSync
 from ._collectives.p2p import recv, send
@@ -53,6 +57,13 @@ all_gather = collective_entry("all_gather")(_all_gather.all_gather)
 reduce_scatter = collective_entry("reduce_scatter")(_reduce_scatter.reduce_scatter)
 all_to_all = collective_entry("all_to_all")(_all_to_all.all_to_all)
 barrier = collective_entry("barrier")(_barrier.barrier)
+gather = collective_entry("gather")(_gather.gather)
+scatter = collective_entry("scatter")(_scatter.scatter)
+scan = collective_entry("scan")(_scan.scan)
+exscan = collective_entry("exscan")(_scan.exscan)
+broadcast_object = collective_entry("broadcast_object")(_objects.broadcast_object)
+all_gather_object = collective_entry("all_gather_object")(_objects.all_gather_object)
+gather_object = collective_entry("gather_object")(_objects.gather_object)
 
 __version__ = "0.1.0"
 
@@ -76,21 +87,28 @@ __all__ = [
     "ThreadMisuseError",
     "__version__",
     "all_gather",
+    "all_gather_object",
     "all_reduce",
     "all_to_all",
     "arange",
     "as_tensor",
     "barrier",
     "broadcast",
+    "broadcast_object",
     "current_context",
     "defer_finalize",
     "empty",
+    "exscan",
     "from_numpy",
     "full",
+    "gather",
+    "gather_object",
     "ones",
     "recv",
     "reduce",
     "reduce_scatter",
+    "scan",
+    "scatter",
     "send",
     "tensor",
     "zeros",

@@ -28,7 +28,15 @@ COMPLEX = [np.complex64, np.complex128]
 ALL_DTYPES = [np.bool_, *SIGNED, *UNSIGNED, *FLOATS, *COMPLEX]
 SHAPES = [(), (0,), (7,), (3, 4), (2, 3, 5)]
 
-_UFUNCS = {OP.SUM: np.add, OP.PROD: np.multiply, OP.MAX: np.maximum, OP.MIN: np.minimum}
+_UFUNCS = {OP.SUM: np.add, OP.PROD: np.multiply, OP.MAX: np.maximum, OP.MIN: np.minimum,
+           OP.BAND: np.bitwise_and, OP.BOR: np.bitwise_or, OP.BXOR: np.bitwise_xor}
+BITWISE = [OP.BAND, OP.BOR, OP.BXOR]
+ARITHMETIC = [op for op in OP if op not in BITWISE]
+
+
+def rejects(op: mt.ReduceOperation, dtype: np.dtype | type) -> bool:
+    """True when reducing `dtype` with `op` raises TypeError: a bitwise op on a non-integer type."""
+    return op in BITWISE and np.dtype(dtype).kind not in "biu"
 
 
 def every_rank_settings(max_examples: int) -> settings:
@@ -196,3 +204,31 @@ def run_job(script: str, nprocs: int, timeout: float = 60, env: dict[str, str] |
 def _kill_group(exc: subprocess.TimeoutExpired) -> None:
     # subprocess.run killed mpiexec itself; make sure no rank outlives it.
     subprocess.run(["pkill", "-9", "-f", str(exc.cmd[-1])], check=False)
+
+
+def with_bfloat16(dtypes: Sequence[type]) -> list[np.dtype]:
+    """`dtypes` as NumPy dtypes, with bfloat16 added where ml_dtypes is installed."""
+    out = [np.dtype(d) for d in dtypes]
+    try:
+        import ml_dtypes
+    except ImportError:
+        return out
+    return [*out, np.dtype(ml_dtypes.bfloat16)]
+
+
+def agree(ok: bool, what: str) -> None:
+    """Fail on every rank of the context when `ok` is False on any (a collective verdict).
+
+    Hypothesis examples end this way: no rank may stop early while the others go on.
+    """
+    verdict = mt.all_reduce(np.array(ok), "min").resolve().item()
+    assert verdict, f"{what}: failed on {'this rank' if not ok else 'another rank'}"
+
+
+def same(got: object, expected: np.ndarray) -> bool:
+    """`got` (a Tensor or array) has `expected`'s shape and dtype and the same bits."""
+    array = np.ascontiguousarray(np.asarray(got))
+    expected = np.ascontiguousarray(expected)
+    if array.shape != expected.shape or array.dtype != expected.dtype:
+        return False
+    return bool(np.array_equal(array.reshape(-1).view(np.uint8), expected.reshape(-1).view(np.uint8)))

@@ -19,6 +19,8 @@ class ReduceOperation(enum.Enum):
     `SUM` and `MEAN` are Burn's; `MAX`, `MIN` and `PROD` go beyond it. On `bool` tensors
     `SUM` and `MAX` are logical or, `PROD` and `MIN` logical and (NumPy's rules).
     `MEAN` of integer or `bool` tensors gives `float64`, as `numpy.mean` does.
+    `BAND`, `BOR` and `BXOR` are bitwise and, or and exclusive or, for integer and `bool`
+    tensors only (on `bool`, logical and, or and exclusive or); other dtypes raise `TypeError`.
     """
 
     SUM = "sum"
@@ -26,6 +28,9 @@ class ReduceOperation(enum.Enum):
     MAX = "max"
     MIN = "min"
     PROD = "prod"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
 
 _ALIASES = {"avg": "mean", "average": "mean"}

@@ -75,14 +75,22 @@ _ARITHMETIC = {
     ReduceOperation.PROD: MPI.PROD,
     ReduceOperation.MAX: MPI.MAX,
     ReduceOperation.MIN: MPI.MIN,
+    ReduceOperation.BAND: MPI.BAND,
+    ReduceOperation.BOR: MPI.BOR,
+    ReduceOperation.BXOR: MPI.BXOR,
 }
-# NumPy's rules for bool: + is or, * is and, max is or, min is and.
+# NumPy's rules for bool: + is or, * is and, max is or, min is and; MPI's bitwise ops are
+# defined on integers only, so bool's bitwise ops are the logical ones.
 _LOGICAL = {
     ReduceOperation.SUM: MPI.LOR,
     ReduceOperation.PROD: MPI.LAND,
     ReduceOperation.MAX: MPI.LOR,
     ReduceOperation.MIN: MPI.LAND,
+    ReduceOperation.BAND: MPI.LAND,
+    ReduceOperation.BOR: MPI.LOR,
+    ReduceOperation.BXOR: MPI.LXOR,
 }
+_BITWISE = (ReduceOperation.BAND, ReduceOperation.BOR, ReduceOperation.BXOR)
 
 
 @dataclass(frozen=True)
@@ -182,7 +190,8 @@ def reduce_plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
     """Plan the reduction of `dtype` tensors with `op` (cached).
 
     Raises:
-        TypeError: `dtype` cannot be reduced.
+        TypeError: `dtype` cannot be reduced (or `op` is bitwise and `dtype` is no integer
+            or bool type).
     """
     # Keyed by the member's id: hashing an Enum member runs Python code, and this lookup
     # is on the path of every reducing collective.
@@ -195,6 +204,11 @@ def reduce_plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
 
 def _plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
     dtype = transfer_dtype(dtype)
+    if op in _BITWISE and dtype.kind not in "biu":
+        raise TypeError(
+            f"{op.name} is a bitwise reduction, defined for integer and bool tensors only, got {dtype}; "
+            "reduce a view of the bits (array.view(np.uint32), ...) or use SUM/MAX/MIN"
+        )
     divide = op is ReduceOperation.MEAN
     extremum = op is ReduceOperation.MAX or op is ReduceOperation.MIN
     if dtype.kind in "biu":
@@ -225,12 +239,18 @@ _UFUNCS = {
     ReduceOperation.PROD: np.multiply,
     ReduceOperation.MAX: np.maximum,
     ReduceOperation.MIN: np.minimum,
+    ReduceOperation.BAND: np.bitwise_and,
+    ReduceOperation.BOR: np.bitwise_or,
+    ReduceOperation.BXOR: np.bitwise_xor,
 }
 _LOGICAL_UFUNCS = {
     ReduceOperation.SUM: np.logical_or,
     ReduceOperation.PROD: np.logical_and,
     ReduceOperation.MAX: np.logical_or,
     ReduceOperation.MIN: np.logical_and,
+    ReduceOperation.BAND: np.logical_and,
+    ReduceOperation.BOR: np.logical_or,
+    ReduceOperation.BXOR: np.logical_xor,
 }
 
 # IEEE binary formats by size: (mantissa bits, exponent bits). bfloat16 is told apart

@@ -64,7 +64,14 @@ KIND_NAMES = {
     8: "fused all_reduce",
     9: "gradient sync",
     10: "close",
+    11: "gather",
+    12: "scatter",
+    13: "scan",
+    14: "exscan",
     15: "no collective (abandoned)",
+    16: "broadcast_object",
+    17: "all_gather_object",
+    18: "gather_object",
 }
 KIND_CODES = {name: code for code, name in KIND_NAMES.items()}
 ABANDONED_KIND = KIND_NAMES[15]
@@ -135,8 +142,10 @@ class Record:
             set to -1), or None.
         root: the root's rank in the group, or -1.
         group: the group's members (context ranks).
-        per_rank: a value ranks may differ in (the gathered length of `all_gather`).
-        extra: one more value that must agree (the gathered axis, a structure hash).
+        per_rank: a value ranks may differ in (the gathered length of `all_gather` and
+            `gather`, the pickled size of an object collective).
+        extra: one more value that must agree (the gathered axis, a structure hash, a hash
+            of `scatter`'s axis and counts).
 
     Attributes:
         failure: for a call that failed on this rank before it could take part, the

@@ -1,4 +1,4 @@
-"""``python -m mpitensor.bench [all|sweep|overlap|fused|interop|report] ...`` (under mpiexec but report).
+"""``python -m mpitensor.bench [all|sweep|overlap|fused|interop|collectives|report] ...`` (under mpiexec but report).
 
 Examples::
 
@@ -6,6 +6,7 @@ Examples::
     mpiexec -n 2 python -m mpitensor.bench sweep --sizes 8,1M,16M --reps 3
     mpiexec -n 4 python -m mpitensor.bench all --quick          # a short sanity run
     mpiexec -n 2 python -m mpitensor.bench interop              # torch input against NumPy input
+    mpiexec -n 2 python -m mpitensor.bench collectives          # gather, scatter, scans, objects
     python -m mpitensor.bench report bench-results/*.json       # the targets table
 """
 
@@ -25,11 +26,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpitensor.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="all",
-                        choices=["all", "sweep", "overlap", "fused", "interop", "report"],
-                        help="what to run (default: all the benchmarks)")
+                        choices=["all", "sweep", "overlap", "fused", "interop", "collectives", "report"],
+                        help="what to run (default: every benchmark)")
     parser.add_argument("files", nargs="*", help="report: the JSON files of the runs")
     parser.add_argument("--sizes", default="8:64M", help="sweep sizes: 'LOW:HIGH' powers of two or a list (8:64M)")
     parser.add_argument("--overlap-sizes", default="64K:64M", help="overlap sizes (64K:64M)")
+    parser.add_argument("--collective-sizes", default="8,64K,1M",
+                        help="sizes of gather, scatter, scans and object collectives (8,64K,1M)")
     parser.add_argument("--reps", type=int, default=5, help="rounds per figure; figures are medians (5)")
     parser.add_argument("--target", type=float, default=0.05, help="seconds per timed batch (0.05)")
     parser.add_argument("--variants", default=None, help="sweep variants, comma-separated (default: all)")
@@ -100,7 +103,7 @@ def _sweep_variants(args: argparse.Namespace, known: tuple[str, ...]) -> tuple[s
 def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], overlap_sizes: list[int],
                   variants: tuple[str, ...]) -> None:
     """Run the benchmark families `args.command` selects, in order, and publish each result."""
-    from ._common import format_size, parse_size
+    from ._common import format_size, parse_size, parse_sizes
     from .fused import format_fused, run_fused
     from .overlap import format_overlap, plot_overlap, run_overlap
     from .sweep import format_size_list, format_sweep, plot_sweep, run_sweep
@@ -120,12 +123,18 @@ def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], over
         result = run_fused(args.count, tensor_bytes, reps=args.reps, target=args.target, progress=say)
         out.publish("fused", result, format_fused)
     if args.command in ("all", "interop"):
-        from ._common import parse_sizes
         from .interop import format_interop, run_interop
 
         say("interop: torch input against NumPy input")
         result = run_interop(parse_sizes(args.interop_sizes), reps=args.reps, target=args.target, progress=say)
         out.publish("interop", result, format_interop)
+    if args.command in ("all", "collectives"):
+        from .collectives import format_collectives, run_collectives
+
+        collective_sizes = parse_sizes(args.collective_sizes)
+        say(f"collectives: {format_size_list(collective_sizes)}")
+        result = run_collectives(collective_sizes, reps=args.reps, target=args.target, progress=say)
+        out.publish("collectives", result, format_collectives)
 
 
 class _Output:

@@ -242,6 +242,7 @@ def format_runs(runs: Sequence[dict[str, Any]], plots: str | None = None) -> str
         runs: the runs' JSON.
         plots: a folder to draw the plots into (from the JSON) and link; None for no plots.
     """
+    from .collectives import format_collectives
     from .fused import format_fused
     from .overlap import format_overlap, plot_overlap
     from .sweep import format_sweep, plot_sweep
@@ -265,6 +266,7 @@ def format_runs(runs: Sequence[dict[str, Any]], plots: str | None = None) -> str
             ("sweep", format_sweep, plot_sweep),
             ("overlap", format_overlap, plot_overlap),
             ("fused", format_fused, None),
+            ("collectives", format_collectives, None),
         ):
             result = run.get(kind)
             if result is None:

@@ -165,3 +165,102 @@ def test_a_slow_rank_is_not_mistaken_for_a_mismatch(ctx):
         time.sleep(1.0)
     total = mt.all_reduce(np.ones(2)).resolve()
     assert total.numpy().tolist() == [float(ctx.size)] * 2
+
+
+# -- gather, scatter, scan, exscan and the object collectives -----------------------------------
+
+
+def test_gather_roots(ctx):
+    root = _odd_one_out(ctx, 0, 1)
+    _expect_mismatch(lambda: mt.gather(np.ones(2), root), "Mismatched gather roots", "named root 0",
+                     f"rank {ctx.size - 1} named root 1")
+    _still_usable(ctx)
+
+
+def test_gather_axes(ctx):
+    axis = _odd_one_out(ctx, 0, 1)
+    _expect_mismatch(lambda: mt.gather(np.ones((2, 2)), axis=axis), "Mismatched gather",
+                     "passed argument 0", f"rank {ctx.size - 1} passed argument 1")
+    _still_usable(ctx)
+
+
+def test_gather_dtypes_and_other_dimensions(ctx):
+    dtype = _odd_one_out(ctx, np.int32, np.int64)
+    _expect_mismatch(lambda: mt.gather(np.ones(2, dtype)), "Mismatched gather tensor dtypes", "int32", "int64")
+    shape = _odd_one_out(ctx, (2, 3), (2, 4))
+    _expect_mismatch(lambda: mt.gather(np.ones(shape)), "Mismatched gather tensor shapes", "(?, 3)", "(?, 4)")
+    _still_usable(ctx)
+
+
+def _scatter_input(ctx, shape, dtype=np.float64):
+    return np.ones(shape, dtype) if ctx.rank == 0 else None
+
+
+def test_scatter_roots(ctx):
+    root = _odd_one_out(ctx, 0, 1)
+    whole = np.ones(2 * ctx.size)
+    _expect_mismatch(lambda: mt.scatter(whole, root), "Mismatched scatter roots", "named root 0",
+                     f"rank {ctx.size - 1} named root 1")
+    _still_usable(ctx)
+
+
+def test_scatter_counts_and_axes(ctx):
+    n = ctx.size
+    counts = _odd_one_out(ctx, [2] * n, [3] + [2] * (n - 2) + [1])
+    _expect_mismatch(
+        lambda: mt.scatter(_scatter_input(ctx, (2 * n,)), 0, counts=counts, shape=(2 * n,), dtype=np.float64),
+        "Mismatched scatter arguments", f"counts={[2] * n}", f"counts={counts}",
+    )
+    axis = _odd_one_out(ctx, 0, 1)
+    _expect_mismatch(
+        lambda: mt.scatter(_scatter_input(ctx, (n, n)), 0, axis=axis, shape=(n, n), dtype=np.float64),
+        "Mismatched scatter arguments", "axis=0, counts=equal", "axis=1, counts=equal",
+    )
+    _still_usable(ctx)
+
+
+def test_scatter_shapes_and_dtypes_described_by_non_roots(ctx):
+    n = ctx.size
+    shape = _odd_one_out(ctx, (2 * n,), (4 * n,))
+    _expect_mismatch(lambda: mt.scatter(_scatter_input(ctx, (2 * n,)), 0, shape=shape, dtype=np.float64),
+                     "Mismatched scatter tensor shapes", f"({2 * n},)", f"({4 * n},)")
+    dtype = _odd_one_out(ctx, np.float64, np.float32)
+    _expect_mismatch(lambda: mt.scatter(_scatter_input(ctx, (n,)), 0, shape=(n,), dtype=dtype),
+                     "Mismatched scatter tensor dtypes", "float64", "float32")
+    _still_usable(ctx)
+
+
+@pytest.mark.parametrize("kind", ["scan", "exscan"])
+def test_scan_ops_shapes_and_kinds(ctx, kind):
+    call = getattr(mt, kind)
+    op = _odd_one_out(ctx, "sum", "bxor")
+    _expect_mismatch(lambda: call(np.ones(3, np.int64), op), f"Mismatched {kind} reduce ops", "asked for SUM",
+                     f"rank {ctx.size - 1} asked for BXOR")
+    shape = _odd_one_out(ctx, (3,), (4,))
+    _expect_mismatch(lambda: call(np.ones(shape)), f"Mismatched {kind} tensor shapes", "(3,)", "(4,)")
+    other = mt.exscan if kind == "scan" else mt.scan
+    odd = _odd_one_out(ctx, call, other)
+    _expect_mismatch(lambda: odd(np.ones(3)), f"called {kind}", f"rank {ctx.size - 1} called")
+    _still_usable(ctx)
+
+
+def test_bitwise_ops_in_all_reduce(ctx):
+    op = _odd_one_out(ctx, "band", "bor")
+    _expect_mismatch(lambda: mt.all_reduce(np.ones(3, np.int32), op), "Mismatched all_reduce reduce ops",
+                     "asked for BAND", f"rank {ctx.size - 1} asked for BOR")
+    _still_usable(ctx)
+
+
+@pytest.mark.parametrize("kind", ["broadcast_object", "gather_object"])
+def test_object_roots(ctx, kind):
+    call = getattr(mt, kind)
+    root = _odd_one_out(ctx, 0, 1)
+    _expect_mismatch(lambda: call({"rank": ctx.rank}, root), f"Mismatched {kind} roots", "named root 0",
+                     f"rank {ctx.size - 1} named root 1")
+    _still_usable(ctx)
+
+
+def test_object_collectives_against_each_other(ctx):
+    odd = _odd_one_out(ctx, mt.all_gather_object, mt.broadcast_object)
+    _expect_mismatch(lambda: odd("x"), "called all_gather_object", f"rank {ctx.size - 1} called broadcast_object")
+    _still_usable(ctx)

@@ -11,7 +11,8 @@ from mpitensor._core.config import parse_op
 
 
 def test_reduce_operations_mirror_the_seed_and_go_beyond():
-    assert [op.name for op in mt.ReduceOperation] == ["SUM", "MEAN", "MAX", "MIN", "PROD"]
+    assert [op.name for op in mt.ReduceOperation] == ["SUM", "MEAN", "MAX", "MIN", "PROD", "BAND", "BOR",
+                                                           "BXOR"]
 
 
 def test_parse_op_accepts_members_and_names():

@@ -1,0 +1,80 @@
+"""`gather`: the root gets every rank's tensor, concatenated along an axis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._core.device import Device
+from .._core.dtypes import mpi_datatype
+from .._core.tensor import Tensor
+from .._runtime.check import Record
+from .._runtime.context import DevicesArg
+from .._runtime.engine import Op
+from .common import CollectiveTensor, Later, context_for, group_root, result_device, root_rank, start, take_input
+from .layout import axis_arg, displacements, to_front
+
+__all__ = ["gather"]
+
+
+def gather(
+    input: Any, root: int | Device = 0, *, axis: int = 0, devices: DevicesArg = None,  # noqa: A002
+) -> CollectiveTensor:
+    """Start a gather to the root (``MPI_Igather``/``MPI_Igatherv``) and return at once.
+
+    Ranks may differ in the length of `axis` (exchanged with the consistency check, then
+    ``MPI_Igatherv`` runs); every other dimension must agree. A 0-d tensor counts as one
+    element.
+
+    Args:
+        input: this rank's tensor (a `Tensor` or NumPy array).
+        root: the rank (in the context, a member of the group) or `Device` that gets the result.
+        axis: the axis to concatenate along (negative counts from the end).
+        devices: the group; None for every rank of the context.
+
+    Returns:
+        A `CollectiveTensor` resolving on the root to the concatenation in group order,
+        and to None elsewhere.
+
+    Raises:
+        TypeError: bad input, dtype or axis type.
+        ValueError: `axis` is out of range, or the root is not in the group (on every rank).
+        CollectiveMismatchError: the ranks disagree on dtype, other dimensions, axis, root or group.
+    """
+    ctx = context_for("gather")
+    source = take_input(input, ctx, "gather")
+    group = ctx.group(devices, "gather")
+    root_at = root_rank(ctx, root)
+    if source.on_gpu:
+        from .gpu_host import staged
+
+        return staged(ctx, source, group, lambda host, members: gather(host, root_at, axis=axis, devices=members))
+    protections = source.guard(ctx)
+    array = source.buffer if source.buffer.ndim else source.buffer.reshape(1)
+    axis = axis_arg(axis, array.ndim, "gather")
+    send, copied = to_front(ctx, array, axis)
+    source.copied = source.copied or copied
+    length, rest = send.shape[0], send.shape[1:]
+    template = tuple(-1 if d == axis else n for d, n in enumerate(array.shape))
+    record = Record("gather", None, array.dtype, template, root_at, group.members, per_rank=length, extra=axis)
+    datatype = mpi_datatype(array.dtype)
+    block = int(np.prod(rest, dtype=np.int64))
+    later, device, comm, is_root = Later(), result_device(ctx, source), group.comm, root_at == ctx.rank
+
+    def post(lengths: list[int]) -> list[Any]:
+        index = group_root(group, root_at, "gather")
+        uniform = len(set(lengths)) == 1
+        receive = None
+        if is_root:  # gathered along the first axis; the result is a view with the axis moved back
+            gathered = ctx.pool.empty((sum(lengths), *rest), array.dtype)
+            later.value = Tensor(np.moveaxis(gathered, 0, axis) if axis else gathered, device)
+            counts = [n * block for n in lengths]
+            receive = [gathered, datatype] if uniform else [gathered, counts, displacements(counts), datatype]
+        if uniform:
+            return [comm.Igather([send, datatype], receive, root=index)]
+        return [comm.Igatherv([send, datatype], receive, root=index)]
+
+    op = Op("gather", group, send.nbytes, post, lambda: later.value, record=record, keep=(send,),
+            protections=protections, exchange=True, compare=ctx.config.check)
+    return start(ctx, op, later)

@@ -1,0 +1,148 @@
+"""Collectives of Python objects: `broadcast_object`, `all_gather_object`, `gather_object`.
+
+Each object is pickled; its size in bytes travels with the consistency check's exchange
+(every rank learns every rank's size without a call of its own), then the bytes move with
+``MPI_Ibcast``, ``MPI_Iallgatherv`` or ``MPI_Igatherv``, and `resolve()` unpickles them.
+For configuration and metrics, not for bulk data: tensors go faster through the tensor
+collectives.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._core.device import Device
+from .._core.dtypes import mpi_datatype
+from .._runtime.check import Record
+from .._runtime.context import DevicesArg
+from .._runtime.engine import Group, Op
+from .common import CollectiveTensor, Later, context_for, group_root, root_rank, start
+from .layout import displacements
+
+__all__ = ["all_gather_object", "broadcast_object", "gather_object"]
+
+_BYTE = np.dtype(np.uint8)
+
+
+def broadcast_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = None) -> CollectiveTensor:
+    """Start a broadcast of the root's Python object and return at once.
+
+    Args:
+        obj: on the root, the object (picklable); ignored elsewhere (pass None).
+        root: the sending rank (in the context, a member of the group) or its `Device`.
+        devices: the group; None for every rank of the context.
+
+    Returns:
+        A `CollectiveTensor` resolving to a copy of the root's object on every rank (the
+        root included: it unpickles its own bytes too, so no rank shares the original).
+
+    Raises:
+        TypeError, pickle.PicklingError, AttributeError: the root's object cannot be pickled.
+        ValueError: the root is not in the group (raised on every rank).
+        CollectiveMismatchError: the ranks disagree on root or group.
+    """
+    ctx = context_for("broadcast_object")
+    group = ctx.group(devices, "broadcast_object")
+    root_at = root_rank(ctx, root)
+    # A writable copy on the root: MPI_Ibcast's buffer is the receive buffer elsewhere.
+    payload = _pickled(obj).copy() if root_at == ctx.rank else np.empty(0, _BYTE)
+    later, comm, datatype = Later(), group.comm, mpi_datatype(_BYTE)
+
+    def post(sizes: list[int]) -> list[Any]:
+        index = group_root(group, root_at, "broadcast_object")
+        buffer = payload if index == group.rank else np.empty(sizes[index], _BYTE)
+        later.value = buffer
+        return [comm.Ibcast([buffer, datatype], root=index)]
+
+    return _start(ctx, group, "broadcast_object", payload, root_at, post, lambda: pickle.loads(later.value))
+
+
+def all_gather_object(obj: Any, *, devices: DevicesArg = None) -> CollectiveTensor:
+    """Start an all-gather of every rank's Python object and return at once.
+
+    Args:
+        obj: this rank's object (picklable).
+        devices: the group; None for every rank of the context.
+
+    Returns:
+        A `CollectiveTensor` resolving to the list of every rank's object, in group order.
+
+    Raises:
+        TypeError, pickle.PicklingError, AttributeError: the object cannot be pickled.
+        CollectiveMismatchError: the ranks disagree on the group.
+    """
+    ctx = context_for("all_gather_object")
+    group = ctx.group(devices, "all_gather_object")
+    payload = _pickled(obj)
+    later, comm, datatype = Later(), group.comm, mpi_datatype(_BYTE)
+
+    def post(sizes: list[int]) -> list[Any]:
+        later.value = (np.empty(sum(sizes), _BYTE), sizes)
+        received = [later.value[0], sizes, displacements(sizes), datatype]
+        return [comm.Iallgatherv([payload, datatype], received)]
+
+    return _start(ctx, group, "all_gather_object", payload, -1, post, lambda: _unpickled(*later.value))
+
+
+def gather_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = None) -> CollectiveTensor:
+    """Start a gather of every rank's Python object to the root and return at once.
+
+    Args:
+        obj: this rank's object (picklable).
+        root: the receiving rank (in the context, a member of the group) or its `Device`.
+        devices: the group; None for every rank of the context.
+
+    Returns:
+        A `CollectiveTensor` resolving on the root to the list of every rank's object, in
+        group order, and to None elsewhere.
+
+    Raises:
+        TypeError, pickle.PicklingError, AttributeError: the object cannot be pickled.
+        ValueError: the root is not in the group (raised on every rank).
+        CollectiveMismatchError: the ranks disagree on root or group.
+    """
+    ctx = context_for("gather_object")
+    group = ctx.group(devices, "gather_object")
+    root_at = root_rank(ctx, root)
+    payload = _pickled(obj)
+    later, comm, datatype = Later(), group.comm, mpi_datatype(_BYTE)
+
+    def post(sizes: list[int]) -> list[Any]:
+        index = group_root(group, root_at, "gather_object")
+        received = None
+        if index == group.rank:
+            later.value = (np.empty(sum(sizes), _BYTE), sizes)
+            received = [later.value[0], sizes, displacements(sizes), datatype]
+        return [comm.Igatherv([payload, datatype], received, root=index)]
+
+    def finish() -> list[Any] | None:
+        return None if later.value is None else _unpickled(*later.value)
+
+    return _start(ctx, group, "gather_object", payload, root_at, post, finish)
+
+
+def _start(ctx: Any, group: Group, kind: str, payload: np.ndarray, root: int,
+           post: Callable[[list[int]], list[Any]], finish: Callable[[], Any]) -> CollectiveTensor:
+    """Submit an object collective whose sizes travel with the check (every rank's `payload` size)."""
+    record = Record(kind, None, None, None, root, group.members, per_rank=payload.size)
+    op = Op(kind, group, payload.size, post, finish, record=record, keep=(payload,), exchange=True,
+            compare=ctx.config.check)
+    return start(ctx, op, Later())
+
+
+def _pickled(obj: Any) -> np.ndarray:
+    """`obj` pickled, as a byte array MPI can send."""
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), _BYTE)
+
+
+def _unpickled(data: np.ndarray, sizes: list[int]) -> list[Any]:
+    """The objects of consecutive pickles of `sizes` bytes in `data`."""
+    view, objects, offset = memoryview(data), [], 0
+    for size in sizes:
+        objects.append(pickle.loads(view[offset:offset + size]))
+        offset += size
+    return objects

@@ -1,0 +1,169 @@
+"""`scatter`: the root's tensor split along an axis, one block per rank."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._core.device import Device
+from .._core.dtypes import mpi_datatype, transfer_dtype
+from .._core.tensor import Tensor
+from .._runtime.check import Record
+from .._runtime.context import DevicesArg
+from .._runtime.engine import Op
+from .common import CollectiveTensor, check_record, context_for, group_root, result_device, root_rank, start, take_input
+from .layout import axis_arg, displacements, to_front
+
+__all__ = ["scatter"]
+
+_MASK = (1 << 62) - 1
+
+
+def scatter(
+    input: Any, root: int | Device = 0, *, axis: int = 0, counts: Sequence[int] | None = None,  # noqa: A002
+    shape: tuple[int, ...] | None = None, dtype: Any = None, devices: DevicesArg = None,
+) -> CollectiveTensor:
+    """Start a scatter from the root (``MPI_Iscatter``/``MPI_Iscatterv``) and return at once.
+
+    The root's tensor is split along `axis` into equal blocks, or `counts[k]` slices for
+    the group's k-th rank; every rank gets its block as a fresh tensor.
+
+    Args:
+        input: on the root, the whole tensor. Elsewhere None (with `shape` and `dtype`),
+            or a tensor of the root's whole shape and dtype, used only as a template.
+        root: the sending rank (in the context, a member of the group) or its `Device`.
+        axis: the axis to split along (negative counts from the end).
+        counts: the length of each rank's block along `axis`, in group order (summing to
+            that length); None for equal blocks. Every rank passes the same counts.
+        shape, dtype: the root's whole shape and dtype, on ranks that pass None.
+        devices: the group; None for every rank of the context.
+
+    Returns:
+        A `CollectiveTensor` resolving to this rank's block (on a rank that passed None,
+        a CPU tensor).
+
+    Raises:
+        TypeError: the root passes None, a non-root passes None without shape and
+            dtype, or bad input, dtype, axis or counts types.
+        ValueError: bad axis, a 0-d tensor, counts that do not fit, a length that does
+            not divide into equal blocks, or a root outside the group.
+        CollectiveMismatchError: the ranks disagree on shape, dtype, axis, counts, root or group.
+    """
+    ctx = context_for("scatter")
+    group = ctx.group(devices, "scatter")
+    root_at = root_rank(ctx, root)
+    is_root = root_at == ctx.rank
+    source = None if input is None else take_input(input, ctx, "scatter")
+    if source is not None and source.on_gpu:
+        from .gpu_host import staged
+
+        return staged(ctx, source, group, lambda host, members: scatter(
+            host, root_at, axis=axis, counts=counts, devices=members))
+    whole, whole_dtype = _whole(is_root, source, shape, dtype)
+    axis = axis_arg(axis, len(whole), "scatter")
+    blocks = _blocks(whole[axis], group.size, counts)
+    out, result = _receive(ctx, source, whole, whole_dtype, axis, blocks[group.rank])
+    send, protections = _send_buffer(ctx, source if is_root else None, axis)
+    datatype, comm, uniform = mpi_datatype(whole_dtype), group.comm, counts is None
+    elements = [n * int(np.prod(out.shape[1:], dtype=np.int64)) for n in blocks]
+
+    def post() -> list[Any]:
+        index = group_root(group, root_at, "scatter")
+        if uniform:
+            return [comm.Iscatter(None if send is None else [send, datatype], [out, datatype], root=index)]
+        spec = None if send is None else [send, elements, displacements(elements), datatype]
+        return [comm.Iscatterv(spec, [out, datatype], root=index)]
+
+    record = _record(whole_dtype, whole, root_at, group.members, axis, counts)
+    op = Op("scatter", group, out.nbytes, post, lambda: result, record=check_record(ctx, group, record),
+            keep=(send, out), protections=protections)
+    return start(ctx, op, result)
+
+
+def _receive(ctx: Any, source: Any, whole: tuple[int, ...], dtype: np.dtype, axis: int,
+             rows: int) -> tuple[np.ndarray, Tensor]:
+    """The buffer this rank receives into (`axis` in front, `rows` long) and the result tensor viewing it."""
+    out = ctx.pool.empty((rows, *whole[:axis], *whole[axis + 1:]), dtype)
+    device = ctx.cpu_device if source is None else result_device(ctx, source)
+    return out, Tensor(np.moveaxis(out, 0, axis) if axis else out, device)
+
+
+def _send_buffer(ctx: Any, source: Any, axis: int) -> tuple[Any, tuple[Any, ...]]:
+    """The root's tensor with `axis` in front, and its protections; (None, ()) on other ranks."""
+    if source is None:
+        return None, ()
+    protections = source.guard(ctx)
+    send, _ = to_front(ctx, source.buffer, axis)
+    return send, protections
+
+
+def _whole(is_root: bool, source: Any, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """The root's whole shape and dtype, from the input or from `shape` and `dtype`.
+
+    Raises:
+        TypeError: the root passes None, or `shape` or `dtype` is missing or not a dtype.
+        ValueError: the tensor has no dimension to split.
+    """
+    if source is not None:
+        if not source.buffer.ndim:
+            raise ValueError("scatter: the tensor must have at least one dimension to split, got a 0-d one")
+        return tuple(source.buffer.shape), source.buffer.dtype
+    if is_root:
+        raise TypeError("scatter: the root must pass the tensor to split, got None")
+    if shape is None or dtype is None:
+        raise TypeError(
+            "scatter: a non-root rank passing input=None must give shape= and dtype= of the root's whole tensor"
+        )
+    whole = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    return whole, transfer_dtype(np.dtype(dtype))
+
+
+def _blocks(length: int, size: int, counts: Sequence[int] | None) -> list[int]:
+    """Each rank's length along the axis: `counts`, checked, or equal blocks.
+
+    Raises:
+        TypeError: `counts` is not a sequence of ints.
+        ValueError: `counts` has the wrong length, a negative entry or the wrong sum; or,
+            without counts, `length` does not divide by `size`.
+    """
+    if counts is None:
+        if length % size:
+            raise ValueError(
+                f"scatter: the length {length} along the axis does not split into {size} equal blocks; "
+                "pass counts= with each rank's length"
+            )
+        return [length // size] * size
+    if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not all(
+        isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in counts
+    ):
+        raise TypeError(f"scatter: counts must be a sequence of ints, one per rank, got {counts!r}")
+    blocks = [int(c) for c in counts]
+    if len(blocks) != size or min(blocks) < 0 or sum(blocks) != length:
+        raise ValueError(
+            f"scatter: counts must give {size} non-negative lengths (one per rank of the group) summing "
+            f"to the length {length} along the axis, got {blocks}"
+        )
+    return blocks
+
+
+class _ScatterRecord(Record):
+    """The check's record of a scatter: the axis and counts agree too, and are named on a mismatch."""
+
+    __slots__ = ("text",)
+
+    def detail(self) -> dict[str, Any]:
+        """The record as a picklable dict, with the axis and counts in words."""
+        out = super().detail()
+        out["extra"] = self.text
+        return out
+
+
+def _record(dtype: np.dtype, whole: tuple[int, ...], root: int, members: tuple[int, ...], axis: int,
+            counts: Sequence[int] | None) -> Record:
+    blocks = None if counts is None else tuple(int(c) for c in counts)
+    record = _ScatterRecord("scatter", None, dtype, whole, root, members,
+                            extra=hash((axis, -1 if blocks is None else blocks)) & _MASK)
+    record.text = f"axis={axis}, counts={'equal' if blocks is None else list(blocks)}"
+    return record

@@ -1,0 +1,106 @@
+"""`scatter`: the root's tensor split along an axis, one block per rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mpitensor as mt
+from tests.conftest import GROUP_KINDS, group_members
+from tests.helpers import ALL_DTYPES, agree, every_rank_settings, rank_input, same, with_bfloat16
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+DTYPES = with_bfloat16(ALL_DTYPES)
+
+
+def _whole(seed: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    if dtype.kind == "V":  # bfloat16
+        return rank_input(seed, 1000, shape, np.float32).astype(dtype)
+    return rank_input(seed, 1000, shape, dtype)
+
+
+@every_rank_settings(60)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(0, 3), min_size=0, max_size=2).map(tuple),
+    axis=st.integers(-3, 2),
+    uneven=st.booleans(),
+    none_elsewhere=st.booleans(),
+    group_kind=st.sampled_from(GROUP_KINDS),
+    root_pick=st.integers(0, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_scatter_matches_numpy_split(module_ctx, dtype, shape, axis, uneven, none_elsewhere, group_kind,
+                                     root_pick, seed):
+    ctx = module_ctx
+    members = group_members(group_kind, ctx.size, ctx.rank)
+    if members is None:
+        agree(True, "outside")
+        return
+    n = len(members)
+    axis = axis % (len(shape) + 1)
+    counts = [(seed + 5 * k) % 3 for k in range(n)] if uneven else None
+    length = sum(counts) if uneven else n * (seed % 3)
+    full_shape = (*shape[:axis], length, *shape[axis:])
+    whole = _whole(seed, full_shape, dtype)
+    root = members[root_pick % n]
+    mine = whole if ctx.rank == root else (None if none_elsewhere else np.zeros_like(whole))
+    got = mt.scatter(mine, root, axis=axis, counts=counts, shape=full_shape, dtype=dtype, devices=members).resolve()
+    blocks = counts or [length // n] * n
+    edges = np.cumsum([0, *blocks])
+    index = members.index(ctx.rank)
+    expected = np.take(whole, np.arange(edges[index], edges[index + 1]), axis=axis)
+    agree(isinstance(got, mt.Tensor) and same(got, expected),
+          f"scatter {dtype} {full_shape} axis {axis} counts {counts} root {root} on {members}")
+
+
+def test_scatter_rows_with_counts(module_ctx):
+    ctx = module_ctx
+    n = ctx.size
+    counts = list(range(1, n + 1))
+    whole = np.arange(sum(counts) * 2).reshape(-1, 2)
+    got = mt.scatter(whole if ctx.rank == 0 else None, 0, counts=counts, shape=whole.shape, dtype=whole.dtype)
+    start = sum(counts[: ctx.rank])
+    assert got.resolve().numpy().tolist() == whole[start : start + counts[ctx.rank]].tolist()
+
+
+def test_the_root_must_pass_a_tensor(module_ctx):
+    with pytest.raises(TypeError, match="scatter: the root must pass the tensor to split, got None"):
+        mt.scatter(None, module_ctx.rank, shape=(4,), dtype=np.float32, devices=[module_ctx.rank])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_non_root_without_shape_and_dtype_is_told(ctx):
+    root = (ctx.rank + 1) % ctx.size
+    with pytest.raises(TypeError, match="a non-root rank passing input=None must give shape= and dtype="):
+        mt.scatter(None, root)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"counts": [1]}, ValueError, "counts must give {n} non-negative lengths"),
+        ({"counts": "ab"}, TypeError, "counts must be a sequence of ints"),
+        ({"counts": [1.5]}, TypeError, "counts must be a sequence of ints"),
+        ({"axis": 1}, ValueError, "axis 1 is out of range for a tensor of 1 dimension"),
+    ],
+    ids=["wrong-count", "string", "float", "axis"],
+)
+def test_bad_arguments_are_rejected_on_every_rank(module_ctx, kwargs, error, message):
+    ctx = module_ctx
+    whole = np.ones(ctx.size + 1)
+    with pytest.raises(error, match=message.format(n=ctx.size)):
+        mt.scatter(whole, 0, **kwargs)
+    assert mt.all_reduce(np.ones(1)).resolve().item() == ctx.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_length_that_does_not_divide_is_rejected(module_ctx):
+    ctx = module_ctx
+    with pytest.raises(ValueError, match=f"does not split into {ctx.size} equal blocks; pass counts="):
+        mt.scatter(np.ones(ctx.size + 1), 0)
+    with pytest.raises(ValueError, match="got a 0-d one"):
+        mt.scatter(np.array(1.0), 0)
