@@ -108,7 +108,7 @@ class _Gather:
         send, axis, out = self.send, self.axis, self.out
         rest = send.shape[1:]
         shape = (sum(lengths), *rest)
-        target = None if out is None else (out._array if isinstance(out, Tensor) else out)
+        target = None if out is None else (out.array if isinstance(out, Tensor) else out)
         final_shape = np.moveaxis(np.empty(shape, np.int8), 0, axis).shape if axis else shape
         if target is not None and target.shape != final_shape:
             self.error = ValueError(
@@ -143,5 +143,5 @@ class _Gather:
         result = self.later.value
         if self.axis and self.out is not None:
             assert self.gathered is not None
-            np.copyto(result._array, np.moveaxis(self.gathered, 0, self.axis))
+            np.copyto(result.array, np.moveaxis(self.gathered, 0, self.axis))
         return result

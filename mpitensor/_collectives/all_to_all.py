@@ -134,7 +134,7 @@ def _fitting(out: Any, shape: tuple[int, ...], failure: list[Exception]) -> np.n
     """
     if out is None:
         return None
-    array = out._array if isinstance(out, Tensor) else out
+    array = out.array if isinstance(out, Tensor) else out
     if array.shape == shape:
         return array
     failure.append(ValueError(f"all_to_all: out= has shape {array.shape}, but the result has shape {shape}"))

@@ -126,7 +126,7 @@ def grouped_all_gather(ctx: DistributedContext, structure: Any, axis: Any, devic
             for index in members:
                 buffer, size = buffers[index], buffers[index].size
                 blocks = recv[:, offset : offset + size].reshape((n, *buffer.shape))
-                np.concatenate(list(blocks), axis=axes[index], out=results[index]._array)
+                np.concatenate(list(blocks), axis=axes[index], out=results[index].array)
                 offset += size
         return value
 

@@ -73,7 +73,7 @@ def output_buffer(
     """
     if out is None:
         return ctx.pool.empty(shape, dtype)
-    array = out._array if isinstance(out, Tensor) else out
+    array = out.array if isinstance(out, Tensor) else out
     if type(array) is not np.ndarray:
         kind = "a GPU tensor" if hasattr(array, "__cuda_array_interface__") else type(out).__name__
         raise TypeError(f"{what}: out= must be a host mpitensor.Tensor or a NumPy array, got {kind}")

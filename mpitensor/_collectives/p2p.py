@@ -20,6 +20,7 @@ from .._runtime.check import dtype_code, dtype_from_code
 from .._runtime.context import DistributedContext
 from .._runtime.engine import Op
 from .common import CollectiveTensor, Later, context_for, result_device, root_rank, start, take_input
+from .options import output_buffer, output_tensor, protect_output, refuse_on_gpu
 
 __all__ = ["recv", "send"]
 
@@ -106,8 +107,9 @@ class _Receive:
     """Receives the header, then the data into a buffer sized from it."""
 
     def __init__(self, ctx: DistributedContext, peer: int, tag: int, expect: tuple[Any, Any] | None,
-                 device: Device, later: Later) -> None:
+                 device: Device, later: Later, out: Any = None, guard: Any = None) -> None:
         self.ctx, self.peer, self.tag, self.expect, self.device, self.later = ctx, peer, tag, expect, device, later
+        self.out, self.guard = out, guard  # the caller's out=, and how to protect it once posted
         self.header = np.empty(_HEADER, np.int64)
         self.comm = ctx.p2p_group.comm
         self.header_req = self.comm.Irecv(self.header, peer, 2 * tag)
@@ -129,11 +131,28 @@ class _Receive:
                         f"{tuple(want_shape)} and dtype {np.dtype(want_dtype)}"
                     )
             # The data is received in full even on a mismatch, so no message is left behind.
-            self.data = self.ctx.pool.empty(shape, dtype)
+            target = self._target(shape, dtype)
+            self.data = target if target is not None else self.ctx.pool.empty(shape, dtype)
             self.data_req = self.comm.Irecv([self.data, mpi_datatype(dtype)], self.peer, 2 * self.tag + 1)
+            if target is not None:
+                self.guard(target)
             if self.error is None:
-                self.later.value = Tensor(self.data, self.device)
+                self.later.value = output_tensor(self.out, self.data, self.device)
         return bool(self.data_req.Test())
+
+    def _target(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """`out`'s array if the message fits it; else None (an error, if there is an `out`)."""
+        if self.out is None:
+            return None
+        array = self.out.array if isinstance(self.out, Tensor) else self.out
+        if (array.shape, array.dtype) == (shape, dtype):
+            return array
+        if self.error is None:
+            self.error = ValueError(
+                f"recv: rank {self.peer} sent a tensor of shape {shape} and dtype {dtype}, which does not fit "
+                f"out= (shape {array.shape}, dtype {array.dtype})"
+            )
+        return None
 
     def finish(self) -> Tensor:
         if self.error is not None:
@@ -152,6 +171,22 @@ def _expected(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
     return ((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype))
 
 
+def _fits_out(ctx: DistributedContext, out: Any, expect: tuple[Any, Any] | None,
+              template: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """Check `out` for `recv`: what it expects (from `expect`, else `out` itself).
+
+    Raises:
+        TypeError, ValueError: as `output_buffer`, against the expected shape and dtype.
+    """
+    shape = tuple(getattr(out, "shape", ()))
+    dtype = getattr(out, "dtype", None)
+    if expect is not None:
+        shape, dtype = tuple(expect[0]), np.dtype(expect[1])
+    overlap = () if template is None else (template.array if isinstance(template, Tensor) else template,)
+    output_buffer(ctx, out, shape, np.dtype(dtype) if dtype is not None else np.dtype(None), "recv", overlap)
+    return shape, np.dtype(dtype)
+
+
 def recv(
     input: Any = None,  # noqa: A002
     source: int | Device | None = None,
@@ -159,6 +194,7 @@ def recv(
     shape: tuple[int, ...] | None = None,
     dtype: Any = None,
     tag: int = 0,
+    out: Any = None,
 ) -> CollectiveTensor:
     """Start receiving a tensor from rank `source` and return at once.
 
@@ -173,14 +209,19 @@ def recv(
         shape: the expected shape (instead of a template).
         dtype: the expected dtype (instead of a template).
         tag: the tag the sender used (0..16383).
+        out: a host Tensor or NumPy array to receive into (writable, C-contiguous); its
+            shape and dtype are the expected ones unless a template or `shape`/`dtype`
+            say otherwise. Not to be written until the handle resolves.
 
     Returns:
-        A `CollectiveTensor` resolving to the received tensor.
+        A `CollectiveTensor` resolving to the received tensor (`out` itself when it is a
+        Tensor, else a Tensor sharing its memory).
 
     Raises:
-        TypeError, ValueError: bad template, rank or tag.
+        TypeError, ValueError: bad template, rank, tag or `out`.
         CollectiveMismatchError: (at resolve) the sender's shape or dtype differs from the
             expected one.
+        ValueError: (at resolve) what was sent does not fit `out` (with the check off).
     """
     ctx = context_for("recv")
     if source is None and isinstance(input, (int, np.integer, Device)) and not isinstance(input, bool):
@@ -195,16 +236,19 @@ def recv(
         expect = (template.array.shape, template.buffer.dtype)
         device = result_device(ctx, template)
         if template.on_gpu:
+            refuse_on_gpu("recv", out=out)
             from .gpu_staged import gpu_recv
 
             return gpu_recv(ctx, peer, tag, expect)
     elif shape is not None or dtype is not None:
         expect = _expected(shape, dtype)
+    if out is not None:
+        expect = _fits_out(ctx, out, expect, input)
     later = Later()
     receive: list[_Receive] = []
 
     def post() -> _Receive:
-        receive.append(_Receive(ctx, peer, tag, expect, device, later))
+        receive.append(_Receive(ctx, peer, tag, expect, device, later, out, lambda a: protect_output(op, out, a)))
         return receive[0]
 
     def finish() -> Tensor:
