@@ -53,9 +53,9 @@ def reduce(
         root: the rank (in the context, a member of the group) or `Device` that gets
             the result.
         devices: the group; None for every rank of the context.
-        out: on the root, a host Tensor or NumPy array to write the result into (of
-            the result's shape and dtype, writable, C-contiguous, not the input);
-            ignored elsewhere. It must not be written until the handle resolves.
+        out: a host Tensor or NumPy array to write the result into (of the result's
+            shape and dtype, writable, C-contiguous, not the input); checked on every
+            rank, written on the root only. Not to be written until the handle resolves.
         prescale_factor: multiplies each rank's input before the reduction (into a
             private copy: the input is not changed). Integer tensors take integers only.
         postscale_factor: multiplies the result after the reduction (after MEAN's division).
@@ -85,8 +85,10 @@ def reduce(
     array = source.array
     pre, post_factor = scale_factors(prescale_factor, postscale_factor, source.buffer.dtype, "reduce")
     is_root = root_at == ctx.rank
-    out = out if is_root else None
-    work, final = reduction_outputs(ctx, out, array.shape, plan, "reduce", (array,)) if is_root else (None, None)
+    # Checked on every rank, so that a bad out= raises alike everywhere; used on the root only.
+    work, final = reduction_outputs(ctx, out, array.shape, plan, "reduce", (array,))
+    if not is_root:
+        out, work, final = None, None, None
     send, protections = prescaled_input(ctx, source, plan, pre)
     result = output_tensor(out, final, result_device(ctx, source)) if final is not None else None
     comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
