@@ -22,7 +22,7 @@ def close(got, expected: np.ndarray, op: mt.ReduceOperation | None, count: int, 
     got = np.asarray(got)
     if got.shape != expected.shape or got.dtype != expected.dtype:
         return False
-    if expected.dtype.kind not in "fc" or op in (None, OP.MAX, OP.MIN) and scale == 1.0:
+    if expected.dtype.kind not in "fc" or (op in (None, OP.MAX, OP.MIN) and scale == 1.0):
         return bool(np.array_equal(got, expected))
     tol = 4 * tolerance(expected.dtype, count) * max(1.0, abs(scale))
     return bool(np.allclose(got, expected, rtol=tol, atol=tol))
