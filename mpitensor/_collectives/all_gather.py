@@ -30,20 +30,17 @@ def all_gather(
 
     Ranks may differ in the length of `axis` (``MPI_Iallgatherv`` then runs instead of
     ``MPI_Iallgather``); every other dimension must agree. A 0-d tensor counts as one
-    element, so gathering scalars gives a vector of one value per rank. A list, tuple or
-    dict of tensors is gathered as one fused call (see `grouped_all_gather`).
+    element. A list, tuple or dict of tensors is gathered as one fused call.
 
     Args:
         input: this rank's tensor (a `Tensor` or NumPy array).
         axis: the axis to concatenate along (negative counts from the end).
         devices: the group; None for every rank of the context.
-        out: a host Tensor or NumPy array to write the result into (of its shape and
-            dtype, writable, C-contiguous, not the input); not to be written until the
-            handle resolves. A wrong length along `axis` is raised at resolve.
+        out: a host Tensor or NumPy array to write the result into (a wrong length
+            along `axis` is raised at resolve); see docs/options.md.
 
     Returns:
-        A `CollectiveTensor` resolving to the concatenated tensor, in group order (`out`
-        itself when it is a Tensor, else a Tensor sharing its memory).
+        A `CollectiveTensor` resolving to the concatenated tensor, in group order.
 
     Raises:
         TypeError: bad input, dtype or `out` dtype.
@@ -64,11 +61,8 @@ def all_gather(
     protections = source.guard(ctx)
     array = source.buffer if source.buffer.ndim else source.buffer.reshape(1)
     axis = axis_arg(axis, array.ndim, "all_gather")
-    if out is not None:  # everything but the length along axis, which comes from the peers
-        shape = list(array.shape)
-        given = tuple(getattr(out, "shape", ()))
-        shape[axis] = given[axis] if len(given) == array.ndim else -1
-        output_buffer(ctx, out, tuple(shape), array.dtype, "all_gather", (source.array, array))
+    if out is not None:
+        _check_out(ctx, out, array, axis, source.array)
     moved = np.moveaxis(array, axis, 0)
     if axis:
         send = ctx.pool.empty(moved.shape, moved.dtype)
@@ -85,6 +79,14 @@ def all_gather(
             protections=protections, exchange=True, compare=ctx.config.check)
     gather.op = op
     return start(ctx, op, gather.later)
+
+
+def _check_out(ctx: DistributedContext, out: Any, array: np.ndarray, axis: int, given_input: Any) -> None:
+    """Check everything of `out` but its length along `axis`, which comes from the peers."""
+    shape = list(array.shape)
+    given = tuple(getattr(out, "shape", ()))
+    shape[axis] = given[axis] if len(given) == array.ndim else -1
+    output_buffer(ctx, out, tuple(shape), array.dtype, "all_gather", (given_input, array))
 
 
 class _Gather:

@@ -30,9 +30,8 @@ def all_to_all(
     """Start an all-to-all exchange (``MPI_Ialltoall``) and return at once.
 
     The input is cut along its first axis into one block per rank of the group: `size`
-    equal blocks, or `splits[k]` rows for the k-th rank (``MPI_Ialltoallv``; each rank
-    learns what the others send it, a small exchange of counts made before the data is
-    posted). The result is the blocks received, concatenated in group order.
+    equal blocks, or `splits[k]` rows for the k-th rank (``MPI_Ialltoallv``, after a small
+    exchange of counts). The result: the blocks received, concatenated in group order.
 
     Args:
         input: this rank's tensor; without `splits`, its first dimension must be
@@ -40,9 +39,7 @@ def all_to_all(
         devices: the group; None for every rank of the context.
         splits: rows sent to each member, in group order (non-negative ints summing to
             the first dimension); ranks may differ in it, but all or none pass it.
-        out: a host Tensor or NumPy array to write the result into (of its shape and
-            dtype, writable, C-contiguous, not the input); not to be written until the
-            handle resolves.
+        out: a host Tensor or NumPy array to write the result into; see docs/options.md.
 
     Returns:
         A `CollectiveTensor` resolving to the received blocks, concatenated (`out`
@@ -64,9 +61,9 @@ def all_to_all(
 
         return gpu_all_to_all(ctx, source, group)
     protections = source.guard(ctx)
-    array = source.buffer
     if splits is not None:
         return _start_split(ctx, source, group, splits, out, protections)
+    array = source.buffer
     problem, _ = blocks_or_problem(array.shape, group.size, "all_to_all")
     received = output_buffer(ctx, out, array.shape, array.dtype, "all_to_all", (source.array, array))
     result = output_tensor(out, received, result_device(ctx, source))
@@ -80,8 +77,7 @@ def all_to_all(
         return requests
 
     record = check_record(ctx, group, Record("all_to_all", None, array.dtype, array.shape, -1, group.members))
-    op = Op("all_to_all", group, array.nbytes, post, lambda: result, record=record, keep=(array, received),
-            protections=protections)
+    op = Op("all_to_all", group, array.nbytes, post, lambda: result, record, (array, received), protections)
     return start(ctx, op, result)
 
 

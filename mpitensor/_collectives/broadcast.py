@@ -10,10 +10,11 @@ import numpy as np
 from .._core.device import Device
 from .._core.dtypes import mpi_datatype, transfer_dtype
 from .._runtime.check import Record
-from .._runtime.context import DevicesArg
-from .._runtime.engine import Op
+from .._runtime.context import DevicesArg, DistributedContext
+from .._runtime.engine import Group, Op
 from .common import (
     CollectiveTensor,
+    Input,
     check_record,
     context_for,
     group_root,
@@ -74,12 +75,9 @@ def broadcast(
     root_at = root_rank(ctx, root)
     is_root = root_at == ctx.rank
     if input is None:
-        if out is not None and shape is None and dtype is None:
-            shape, dtype = tuple(getattr(out, "shape", ())), getattr(out, "dtype", None)
-        out_shape, out_dtype = _described(is_root, shape, dtype)
         source = None
-        device = ctx.cpu_device
-        nbytes = math.prod(out_shape) * out_dtype.itemsize
+        out_shape, out_dtype = _described(is_root, *_from_out(out, shape, dtype))
+        device, nbytes = ctx.cpu_device, math.prod(out_shape) * out_dtype.itemsize
     else:
         source = take_input(input, ctx, "broadcast")
         if source.on_gpu:
@@ -88,8 +86,14 @@ def broadcast(
 
             return gpu_broadcast(ctx, source, group, root_at)
         out_shape, out_dtype = tuple(source.array.shape), source.buffer.dtype
-        device = result_device(ctx, source)
-        nbytes = source.array.nbytes
+        device, nbytes = result_device(ctx, source), source.array.nbytes
+    return _start(ctx, group, source, root_at, out, (out_shape, out_dtype), device, nbytes)
+
+
+def _start(ctx: DistributedContext, group: Group, source: Input | None, root_at: int, out: Any,
+           spec: tuple[tuple[int, ...], np.dtype], device: Any, nbytes: int) -> CollectiveTensor:
+    out_shape, out_dtype = spec
+    is_root = root_at == ctx.rank
     # No overlap check: copyto handles overlapping memory, so out may be the input.
     received = output_buffer(ctx, out, out_shape, out_dtype, "broadcast")
     if is_root and source is not None and source.buffer is not received:  # a root without a tensor raised above
@@ -106,6 +110,13 @@ def broadcast(
     record = check_record(ctx, group, Record("broadcast", None, out_dtype, out_shape, root_at, group.members))
     op = Op("broadcast", group, nbytes, post, lambda: result, record=record, keep=(received,))
     return start(ctx, op, result)
+
+
+def _from_out(out: Any, shape: Any, dtype: Any) -> tuple[Any, Any]:
+    """`shape` and `dtype`, or `out`'s when neither is given."""
+    if out is not None and shape is None and dtype is None:
+        return tuple(getattr(out, "shape", ())), getattr(out, "dtype", None)
+    return shape, dtype
 
 
 def _described(is_root: bool, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:

@@ -198,9 +198,9 @@ def recv(
 ) -> CollectiveTensor:
     """Start receiving a tensor from rank `source` and return at once.
 
-    The result is a fresh tensor. Its shape and dtype come from the sender; when the
-    receiver states what it expects (a template tensor, or `shape` and `dtype`) and the
-    context's check is on, a difference raises `CollectiveMismatchError` naming both.
+    Shape and dtype come from the sender; when the receiver states what it expects (a
+    template, `shape` and `dtype`, or `out`) and the check is on, a difference raises
+    `CollectiveMismatchError` naming both.
 
     Args:
         input: an optional template tensor of the expected shape and dtype (not written).
@@ -209,19 +209,17 @@ def recv(
         shape: the expected shape (instead of a template).
         dtype: the expected dtype (instead of a template).
         tag: the tag the sender used (0..16383).
-        out: a host Tensor or NumPy array to receive into (writable, C-contiguous); its
-            shape and dtype are the expected ones unless a template or `shape`/`dtype`
-            say otherwise. Not to be written until the handle resolves.
+        out: a host Tensor or NumPy array to receive into (writable, C-contiguous; by
+            default its shape and dtype are the expected ones); see docs/options.md.
 
     Returns:
-        A `CollectiveTensor` resolving to the received tensor (`out` itself when it is a
-        Tensor, else a Tensor sharing its memory).
+        A `CollectiveTensor` resolving to the received tensor (or to `out`).
 
     Raises:
-        TypeError, ValueError: bad template, rank, tag or `out`.
+        TypeError, ValueError: bad template, rank, tag or `out`; ValueError at resolve
+            when what was sent does not fit `out` (with the check off).
         CollectiveMismatchError: (at resolve) the sender's shape or dtype differs from the
             expected one.
-        ValueError: (at resolve) what was sent does not fit `out` (with the check off).
     """
     ctx = context_for("recv")
     if source is None and isinstance(input, (int, np.integer, Device)) and not isinstance(input, bool):
@@ -233,8 +231,7 @@ def recv(
     expect, device = None, ctx.cpu_device
     if input is not None:
         template = take_input(input, ctx, "recv", "the template")
-        expect = (template.array.shape, template.buffer.dtype)
-        device = result_device(ctx, template)
+        expect, device = (template.array.shape, template.buffer.dtype), result_device(ctx, template)
         if template.on_gpu:
             refuse_on_gpu("recv", out=out)
             from .gpu_staged import gpu_recv
@@ -242,8 +239,7 @@ def recv(
             return gpu_recv(ctx, peer, tag, expect)
     elif shape is not None or dtype is not None:
         expect = _expected(shape, dtype)
-    if out is not None:
-        expect = _fits_out(ctx, out, expect, input)
+    expect = expect if out is None else _fits_out(ctx, out, expect, input)
     later = Later()
     receive: list[_Receive] = []
 
@@ -251,8 +247,6 @@ def recv(
         receive.append(_Receive(ctx, peer, tag, expect, device, later, out, lambda a: protect_output(op, out, a)))
         return receive[0]
 
-    def finish() -> Tensor:
-        return receive[0].finish()
-
-    op = Op(f"recv from rank {peer}", ctx.p2p_group, 0, post, finish)
+    # A lambda: the receive exists only once posted.
+    op = Op(f"recv from rank {peer}", ctx.p2p_group, 0, post, lambda: receive[0].finish())  # noqa: PLW0108
     return start(ctx, op, later)

@@ -8,10 +8,11 @@ from .._core.config import ReduceOperation, parse_op
 from .._core.device import Device
 from .._core.dtypes import reduce_plan
 from .._core.tensor import Tensor
-from .._runtime.context import DevicesArg
-from .._runtime.engine import Op
+from .._runtime.context import DevicesArg, DistributedContext
+from .._runtime.engine import Group, Op
 from .common import (
     CollectiveTensor,
+    Input,
     check_record,
     context_for,
     group_root,
@@ -81,9 +82,14 @@ def reduce(
         from .gpu_staged import gpu_reduce
 
         return gpu_reduce(ctx, source, reduce_op, group, root_at)
+    return _start(ctx, source, reduce_op, group, root_at, out, (prescale_factor, postscale_factor))
+
+
+def _start(ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, group: Group, root_at: int,
+           out: Any, factors: tuple[Any, Any]) -> CollectiveTensor:
     plan = reduce_plan(reduce_op, source.buffer.dtype)
     array = source.array
-    pre, post_factor = scale_factors(prescale_factor, postscale_factor, source.buffer.dtype, "reduce")
+    pre, post_factor = scale_factors(*factors, source.buffer.dtype, "reduce")
     is_root = root_at == ctx.rank
     # Checked on every rank, so that a bad out= raises alike everywhere; used on the root only.
     work, final = reduction_outputs(ctx, out, array.shape, plan, "reduce", (array,))
