@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -9,44 +10,59 @@ import numpy as np
 from .._core.dtypes import mpi_datatype
 from .._core.tensor import Tensor
 from .._runtime.check import Record
-from .._runtime.context import DevicesArg
-from .._runtime.engine import Op
+from .._runtime.context import DevicesArg, DistributedContext
+from .._runtime.engine import Group, Op
 from .common import CollectiveTensor, Later, context_for, follow, result_device, start, take_input
+from .grouped import grouped_all_gather, is_structure
+from .options import axis_arg, output_buffer, output_tensor, protect_output, refuse_on_gpu
 
 __all__ = ["all_gather"]
 
 
-def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> CollectiveTensor:  # noqa: A002
+def all_gather(
+    input: Any,  # noqa: A002 - the name every collective uses
+    *,
+    axis: int = 0,
+    devices: DevicesArg = None,
+    out: Any = None,
+) -> CollectiveTensor:
     """Start an all-gather and return at once; every rank gets the concatenation.
 
     Ranks may differ in the length of `axis` (``MPI_Iallgatherv`` then runs instead of
     ``MPI_Iallgather``); every other dimension must agree. A 0-d tensor counts as one
-    element, so gathering scalars gives a vector of one value per rank.
+    element. A list, tuple or dict of tensors is gathered as one fused call.
 
     Args:
         input: this rank's tensor (a `Tensor` or NumPy array).
         axis: the axis to concatenate along (negative counts from the end).
         devices: the group; None for every rank of the context.
+        out: a host Tensor or NumPy array to write the result into (a wrong length
+            along `axis` is raised at resolve); see docs/options.md.
 
     Returns:
         A `CollectiveTensor` resolving to the concatenated tensor, in group order.
 
     Raises:
-        TypeError: bad input or dtype.
-        ValueError: `axis` is out of range.
+        TypeError: bad input, dtype or `out` dtype.
+        ValueError: `axis` is out of range, or a bad `out`.
         CollectiveMismatchError: the ranks disagree on dtype, the other dimensions,
             axis or group.
     """
     ctx = context_for("all_gather")
+    if is_structure(input):
+        return grouped_all_gather(ctx, input, axis, devices, out)
     source = take_input(input, ctx, "all_gather")
     group = ctx.group(devices, "all_gather")
     if source.on_gpu:
+        refuse_on_gpu("all_gather", out=out)
         from .gpu_staged import gpu_all_gather
 
         return follow(gpu_all_gather(ctx, source, group, axis), source.back)
     protections = source.guard(ctx)
     array = source.buffer if source.buffer.ndim else source.buffer.reshape(1)
-    axis = _axis(axis, array.ndim)
+    axis = axis_arg(axis, array.ndim, "all_gather")
+    if out is not None:
+        _check_out(ctx, out, array, axis, source.array)
     moved = np.moveaxis(array, axis, 0)
     if axis:
         send = ctx.pool.empty(moved.shape, moved.dtype)
@@ -54,38 +70,80 @@ def all_gather(input: Any, *, axis: int = 0, devices: DevicesArg = None) -> Coll
         source.copied = True
     else:
         send = moved
-    length, rest = send.shape[0], send.shape[1:]
     template = list(array.shape)
     template[axis] = -1
-    record = Record("all_gather", None, array.dtype, tuple(template), -1, group.members, per_rank=length, extra=axis)
-    datatype = mpi_datatype(array.dtype)
-    block = int(np.prod(rest, dtype=np.int64))
-    later, device, comm = Later(), result_device(ctx, source), group.comm
-
-    def post(lengths: list[int]) -> list[Any]:
-        gathered = ctx.pool.empty((sum(lengths), *rest), array.dtype)
-        # Gathered along the first axis; the result is a view with the axis moved back.
-        later.value = Tensor(np.moveaxis(gathered, 0, axis) if axis else gathered, device)
-        if len(set(lengths)) == 1:
-            return [comm.Iallgather([send, datatype], [gathered, datatype])]
-        counts = [n * block for n in lengths]
-        displacements = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
-        return [comm.Iallgatherv([send, datatype], [gathered, counts, displacements, datatype])]
-
-    op = Op("all_gather", group, send.nbytes, post, lambda: later.value, record=record, keep=(send,),
+    record = Record("all_gather", None, array.dtype, tuple(template), -1, group.members, per_rank=send.shape[0],
+                    extra=axis)
+    gather = _Gather(ctx, group, send, axis, out, result_device(ctx, source))
+    op = Op("all_gather", group, send.nbytes, gather.post, gather.finish, record=record, keep=(send,),
             protections=protections, exchange=True, compare=ctx.config.check)
-    return follow(start(ctx, op, later), source.back)
+    gather.op = op
+    return follow(start(ctx, op, gather.later), source.back)
 
 
-def _axis(axis: Any, ndim: int) -> int:
-    """`axis` as a non-negative axis of a tensor of `ndim` dimensions.
+def _check_out(ctx: DistributedContext, out: Any, array: np.ndarray, axis: int, given_input: Any) -> None:
+    """Check everything of `out` but its length along `axis`, which comes from the peers."""
+    shape = list(array.shape)
+    given = tuple(getattr(out, "shape", ()))
+    shape[axis] = given[axis] if len(given) == array.ndim else -1
+    output_buffer(ctx, out, tuple(shape), array.dtype, "all_gather", (given_input, array))
 
-    Raises:
-        TypeError: `axis` is not an int.
-        ValueError: `axis` is out of range.
+
+class _Gather:
+    """Posts the gather once every rank's length is known, into `out` where it fits.
+
+    A wrong length of `out` is found only then: the data is still received (elsewhere),
+    so the peers are not left waiting, and the error is raised when the op finishes.
+    Along an axis other than the first, the data is gathered rank after rank and copied
+    into `out` at the end.
     """
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"all_gather: axis must be an int, got {type(axis).__name__}")
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"all_gather: axis {axis} is out of range for a tensor of {ndim} dimension(s)")
-    return int(axis) % ndim
+
+    def __init__(self, ctx: DistributedContext, group: Group, send: np.ndarray, axis: int, out: Any,
+                 device: Any) -> None:
+        self.ctx, self.group, self.send, self.axis, self.out, self.device = ctx, group, send, axis, out, device
+        self.later = Later()
+        self.op: Op | None = None
+        self.error: Exception | None = None
+        self.gathered: np.ndarray | None = None
+
+    def post(self, lengths: list[int]) -> list[Any]:
+        send, axis, out = self.send, self.axis, self.out
+        rest = send.shape[1:]
+        shape = (sum(lengths), *rest)
+        target = None if out is None else (out.array if isinstance(out, Tensor) else out)
+        final_shape = np.moveaxis(np.empty(shape, np.int8), 0, axis).shape if axis else shape
+        if target is not None and target.shape != final_shape:
+            self.error = ValueError(
+                f"all_gather: out= has shape {target.shape}, but the result has shape {final_shape}"
+            )
+            target = None
+        if target is not None and not axis:
+            gathered = target
+        else:
+            gathered = self.ctx.pool.empty(shape, send.dtype)
+        self.gathered = gathered
+        if target is not None:
+            self.later.value = output_tensor(out, target, self.device)
+        else:  # the result is a view with the gathered axis moved back
+            self.later.value = Tensor(np.moveaxis(gathered, 0, axis) if axis else gathered, self.device)
+        comm, datatype = self.group.comm, mpi_datatype(send.dtype)
+        if len(set(lengths)) == 1:
+            requests = [comm.Iallgather([send, datatype], [gathered, datatype])]
+        else:
+            block = math.prod(rest)
+            counts = [n * block for n in lengths]
+            displacements = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
+            requests = [comm.Iallgatherv([send, datatype], [gathered, counts, displacements, datatype])]
+        if target is not None:
+            assert self.op is not None
+            protect_output(self.op, out, target)
+        return requests
+
+    def finish(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        result = self.later.value
+        if self.axis and self.out is not None:
+            assert self.gathered is not None
+            np.copyto(result.array, np.moveaxis(self.gathered, 0, self.axis))
+        return result

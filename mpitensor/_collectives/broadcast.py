@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -9,12 +10,12 @@ import numpy as np
 from .._core.device import Device
 from .._core.dtypes import mpi_datatype, transfer_dtype
 from .._core.interop import numpy_dtype
-from .._core.tensor import Tensor
 from .._runtime.check import Record
-from .._runtime.context import DevicesArg
-from .._runtime.engine import Op
+from .._runtime.context import DevicesArg, DistributedContext
+from .._runtime.engine import Group, Op
 from .common import (
     CollectiveTensor,
+    Input,
     check_record,
     context_for,
     follow,
@@ -24,6 +25,8 @@ from .common import (
     start,
     take_input,
 )
+from .grouped import grouped_broadcast, is_structure
+from .options import output_buffer, output_tensor, protect_output, refuse_on_gpu
 
 __all__ = ["broadcast"]
 
@@ -35,10 +38,13 @@ def broadcast(
     devices: DevicesArg = None,
     shape: tuple[int, ...] | None = None,
     dtype: Any = None,
+    out: Any = None,
 ) -> CollectiveTensor:
     """Start a broadcast (``MPI_Ibcast``) of the root's tensor and return at once.
 
-    Every rank of the group, the root included, gets a fresh tensor equal to the root's.
+    Every rank of the group, the root included, gets a fresh tensor equal to the root's
+    (or `out`, filled with it). A list, tuple or dict of tensors is broadcast as one
+    fused call (see `grouped_broadcast`).
 
     Args:
         input: on the root, the tensor to send. Elsewhere, a tensor of the right shape
@@ -48,46 +54,72 @@ def broadcast(
         devices: the group; None for every rank of the context.
         shape: the shape to receive, when `input` is None.
         dtype: the dtype to receive, when `input` is None.
+        out: a host Tensor or NumPy array to write the result into (of its shape and
+            dtype, writable, C-contiguous); it may be the input itself (an in-place
+            broadcast). With `input` None, it also gives the shape and dtype. Not to be
+            written until the handle resolves.
 
     Returns:
-        A `CollectiveTensor` resolving to the broadcast tensor.
+        A `CollectiveTensor` resolving to the broadcast tensor (`out` itself when it is
+        a Tensor, else a Tensor sharing its memory).
 
     Raises:
-        TypeError: the root passes None, or a non-root passes None without shape and dtype.
-        ValueError: the root is not a member of the group (raised on every rank).
+        TypeError: the root passes None, or a non-root passes None without shape and
+            dtype (or `out`), or `out` has another dtype.
+        ValueError: the root is not a member of the group (raised on every rank), or a
+            bad `out`.
         CollectiveMismatchError: the ranks disagree on root, shape, dtype or group.
     """
     ctx = context_for("broadcast")
+    if is_structure(input):
+        return grouped_broadcast(ctx, input, root, devices, out)
     group = ctx.group(devices, "broadcast")
     root_at = root_rank(ctx, root)
     is_root = root_at == ctx.rank
     if input is None:
-        out_shape, out_dtype = _described(is_root, shape, dtype)
         source = None
-        device = ctx.cpu_device
-        nbytes = int(np.prod(out_shape, dtype=np.int64)) * out_dtype.itemsize
+        out_shape, out_dtype = _described(is_root, *_from_out(out, shape, dtype))
+        device, nbytes = ctx.cpu_device, math.prod(out_shape) * out_dtype.itemsize
     else:
         source = take_input(input, ctx, "broadcast")
         if source.on_gpu:
+            refuse_on_gpu("broadcast", out=out)
             from .gpu_staged import gpu_broadcast
 
             return follow(gpu_broadcast(ctx, source, group, root_at), source.back)
         out_shape, out_dtype = tuple(source.array.shape), source.buffer.dtype
-        device = result_device(ctx, source)
-        nbytes = source.array.nbytes
-    out = ctx.pool.empty(out_shape, out_dtype)
-    if is_root and source is not None:  # a root without a tensor raised above
-        np.copyto(out, source.buffer)
-    result = Tensor(out, device)
+        device, nbytes = result_device(ctx, source), source.array.nbytes
+    handle = _start(ctx, group, source, root_at, out, (out_shape, out_dtype), device, nbytes)
+    return follow(handle, source.back if source is not None else None)
+
+
+def _start(ctx: DistributedContext, group: Group, source: Input | None, root_at: int, out: Any,
+           spec: tuple[tuple[int, ...], np.dtype], device: Any, nbytes: int) -> CollectiveTensor:
+    out_shape, out_dtype = spec
+    is_root = root_at == ctx.rank
+    # No overlap check: copyto handles overlapping memory, so out may be the input.
+    received = output_buffer(ctx, out, out_shape, out_dtype, "broadcast")
+    if is_root and source is not None and source.buffer is not received:  # a root without a tensor raised above
+        np.copyto(received, source.buffer)
+    result = output_tensor(out, received, device)
     comm, datatype = group.comm, mpi_datatype(out_dtype)
 
     def post() -> list[Any]:
         index = group_root(group, root_at, "broadcast")
-        return [comm.Ibcast([out, datatype], root=index)]
+        requests = [comm.Ibcast([received, datatype], root=index)]
+        protect_output(op, out, received)
+        return requests
 
     record = check_record(ctx, group, Record("broadcast", None, out_dtype, out_shape, root_at, group.members))
-    op = Op("broadcast", group, nbytes, post, lambda: result, record=record, keep=(out,))
-    return follow(start(ctx, op, result), source.back if source is not None else None)
+    op = Op("broadcast", group, nbytes, post, lambda: result, record=record, keep=(received,))
+    return start(ctx, op, result)
+
+
+def _from_out(out: Any, shape: Any, dtype: Any) -> tuple[Any, Any]:
+    """`shape` and `dtype`, or `out`'s when neither is given."""
+    if out is not None and shape is None and dtype is None:
+        return tuple(getattr(out, "shape", ())), getattr(out, "dtype", None)
+    return shape, dtype
 
 
 def _described(is_root: bool, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:

@@ -19,10 +19,10 @@ from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import reduce_plan, transfer_dtype
 from .._core.interop import describe, numpy_dtype, type_name
 from .._core.tensor import Tensor, wrap_array
-from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .common import CollectiveTensor, context_for, take_input, timeout_arg
 from .fused import plan_buckets, start_buckets, structure_hash
+from .options import make_record, scale_factors, scale_options
 
 __all__ = ["GradientSync"]
 
@@ -60,9 +60,13 @@ class GradientSync:
         op: the reduction (`ReduceOperation.MEAN` averages, as data-parallel training wants).
         bucket_bytes: the bucket size; None for the context's ``config.bucket_bytes``.
         devices: the group; None for every rank of the context.
+        prescale_factor: multiplies each gradient as it is copied into its bucket
+            (the submitted gradient is not changed). Integer gradients take integers only.
+        postscale_factor: multiplies each reduced gradient (after MEAN's division).
 
     Raises:
-        TypeError: a spec is not a (shape, dtype) pair, or a dtype cannot be reduced.
+        TypeError: a spec is not a (shape, dtype) pair, a dtype cannot be reduced, or a
+            factor does not suit a parameter's dtype.
         ValueError: no parameters, or a name that is not a string.
         NoContextError: no context is open.
     """
@@ -74,6 +78,8 @@ class GradientSync:
         op: ReduceOperation | str = ReduceOperation.MEAN,
         bucket_bytes: int | None = None,
         devices: DevicesArg = None,
+        prescale_factor: float | None = None,
+        postscale_factor: float | None = None,
     ) -> None:
         self._ctx = context_for("GradientSync")
         self._op = parse_op(op)
@@ -86,6 +92,11 @@ class GradientSync:
             shape, dtype = _spec(name, value)
             specs[name] = (shape, transfer_dtype(dtype))
         self._specs = specs
+        self._factors = {
+            name: scale_factors(prescale_factor, postscale_factor, dtype, f"GradientSync parameter {name!r}")
+            for name, (_, dtype) in specs.items()
+        }
+        self._options = scale_options(*next(iter(self._factors.values())))
         self._group = self._ctx.group(devices, "gradient sync")
         self._bucket_bytes = bucket_bytes or self._ctx.config.bucket_bytes
         order = list(reversed(specs))  # backward produces the last layer's gradients first
@@ -148,7 +159,11 @@ class GradientSync:
             raise TypeError(f"the gradient of {name!r} has dtype {source.buffer.dtype}, expected {dtype}")
         index, offset, size = self._where[name]
         data = source.buffer.get() if source.on_gpu else source.buffer
-        np.copyto(self._sends[index][offset : offset + size], data.reshape(-1), casting="unsafe")
+        target = self._sends[index][offset : offset + size]
+        np.copyto(target, data.reshape(-1), casting="unsafe")
+        pre = self._factors[name][0]
+        if pre is not None:  # scaled in the bucket, never in the caller's gradient
+            np.multiply(target, pre, out=target, casting="unsafe")
         self._submitted.add(name)
         if source.back is not None:
             self._backs[name] = source.back
@@ -172,8 +187,8 @@ class GradientSync:
                 rounding.append((view, final))
                 view = final
             views[name] = wrap_array(view, device)
-        record = Record("gradient sync", self._op, None, (index, bucket.elements), -1, self._group.members,
-                        extra=self._hashes[index])
+        record = make_record(self._options, "gradient sync", self._op, None, (index, bucket.elements), -1,
+                             self._group.members, extra=self._hashes[index])
         self._handles[index] = start_buckets(
             self._ctx, self._group, [bucket], [self._sends[index]], [out], views, record, out.nbytes, rounding
         )
@@ -206,6 +221,10 @@ class GradientSync:
                 reduced.update(handle.resolve(limit))
         finally:
             self._reset()
+        for name, tensor in reduced.items():
+            post = self._factors[name][1]
+            if post is not None:
+                np.multiply(tensor.array, post, out=tensor.array, casting="unsafe")
         if backs:
             return {name: backs[name](reduced[name]) if name in backs else reduced[name] for name in self._specs}
         return {name: reduced[name] for name in self._specs}

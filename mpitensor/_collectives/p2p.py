@@ -21,6 +21,7 @@ from .._runtime.check import dtype_code, dtype_from_code
 from .._runtime.context import DistributedContext
 from .._runtime.engine import Op
 from .common import CollectiveTensor, Later, context_for, follow, result_device, root_rank, start, take_input
+from .options import output_buffer, output_tensor, protect_output, refuse_on_gpu
 
 __all__ = ["recv", "send"]
 
@@ -107,8 +108,9 @@ class _Receive:
     """Receives the header, then the data into a buffer sized from it."""
 
     def __init__(self, ctx: DistributedContext, peer: int, tag: int, expect: tuple[Any, Any] | None,
-                 device: Device, later: Later) -> None:
+                 device: Device, later: Later, out: Any = None, guard: Any = None) -> None:
         self.ctx, self.peer, self.tag, self.expect, self.device, self.later = ctx, peer, tag, expect, device, later
+        self.out, self.guard = out, guard  # the caller's out=, and how to protect it once posted
         self.header = np.empty(_HEADER, np.int64)
         self.comm = ctx.p2p_group.comm
         self.header_req = self.comm.Irecv(self.header, peer, 2 * tag)
@@ -130,11 +132,28 @@ class _Receive:
                         f"{tuple(want_shape)} and dtype {np.dtype(want_dtype)}"
                     )
             # The data is received in full even on a mismatch, so no message is left behind.
-            self.data = self.ctx.pool.empty(shape, dtype)
+            target = self._target(shape, dtype)
+            self.data = target if target is not None else self.ctx.pool.empty(shape, dtype)
             self.data_req = self.comm.Irecv([self.data, mpi_datatype(dtype)], self.peer, 2 * self.tag + 1)
+            if target is not None:
+                self.guard(target)
             if self.error is None:
-                self.later.value = Tensor(self.data, self.device)
+                self.later.value = output_tensor(self.out, self.data, self.device)
         return bool(self.data_req.Test())
+
+    def _target(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        """`out`'s array if the message fits it; else None (an error, if there is an `out`)."""
+        if self.out is None:
+            return None
+        array = self.out.array if isinstance(self.out, Tensor) else self.out
+        if (array.shape, array.dtype) == (shape, dtype):
+            return array
+        if self.error is None:
+            self.error = ValueError(
+                f"recv: rank {self.peer} sent a tensor of shape {shape} and dtype {dtype}, which does not fit "
+                f"out= (shape {array.shape}, dtype {array.dtype})"
+            )
+        return None
 
     def finish(self) -> Tensor:
         if self.error is not None:
@@ -153,6 +172,22 @@ def _expected(shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
     return ((shape,) if isinstance(shape, int) else tuple(shape), numpy_dtype(dtype))
 
 
+def _fits_out(ctx: DistributedContext, out: Any, expect: tuple[Any, Any] | None,
+              template: Any) -> tuple[tuple[int, ...], np.dtype]:
+    """Check `out` for `recv`: what it expects (from `expect`, else `out` itself).
+
+    Raises:
+        TypeError, ValueError: as `output_buffer`, against the expected shape and dtype.
+    """
+    shape = tuple(getattr(out, "shape", ()))
+    dtype = getattr(out, "dtype", None)
+    if expect is not None:
+        shape, dtype = tuple(expect[0]), np.dtype(expect[1])
+    overlap = () if template is None else (template.array if isinstance(template, Tensor) else template,)
+    output_buffer(ctx, out, shape, np.dtype(dtype) if dtype is not None else np.dtype(None), "recv", overlap)
+    return shape, np.dtype(dtype)
+
+
 def recv(
     input: Any = None,  # noqa: A002
     source: int | Device | None = None,
@@ -160,12 +195,13 @@ def recv(
     shape: tuple[int, ...] | None = None,
     dtype: Any = None,
     tag: int = 0,
+    out: Any = None,
 ) -> CollectiveTensor:
     """Start receiving a tensor from rank `source` and return at once.
 
-    The result is a fresh tensor. Its shape and dtype come from the sender; when the
-    receiver states what it expects (a template tensor, or `shape` and `dtype`) and the
-    context's check is on, a difference raises `CollectiveMismatchError` naming both.
+    Shape and dtype come from the sender; when the receiver states what it expects (a
+    template, `shape` and `dtype`, or `out`) and the check is on, a difference raises
+    `CollectiveMismatchError` naming both.
 
     Args:
         input: an optional template tensor of the expected shape and dtype (not written).
@@ -174,12 +210,15 @@ def recv(
         shape: the expected shape (instead of a template).
         dtype: the expected dtype (instead of a template).
         tag: the tag the sender used (0..16383).
+        out: a host Tensor or NumPy array to receive into (writable, C-contiguous; by
+            default its shape and dtype are the expected ones); see docs/options.md.
 
     Returns:
-        A `CollectiveTensor` resolving to the received tensor.
+        A `CollectiveTensor` resolving to the received tensor (or to `out`).
 
     Raises:
-        TypeError, ValueError: bad template, rank or tag.
+        TypeError, ValueError: bad template, rank, tag or `out`; ValueError at resolve
+            when what was sent does not fit `out` (with the check off).
         CollectiveMismatchError: (at resolve) the sender's shape or dtype differs from the
             expected one.
     """
@@ -193,23 +232,22 @@ def recv(
     expect, device = None, ctx.cpu_device
     if input is not None:
         template = take_input(input, ctx, "recv", "the template")
-        expect = (template.array.shape, template.buffer.dtype)
-        device = result_device(ctx, template)
+        expect, device = (template.array.shape, template.buffer.dtype), result_device(ctx, template)
         if template.on_gpu:
+            refuse_on_gpu("recv", out=out)
             from .gpu_staged import gpu_recv
 
             return follow(gpu_recv(ctx, peer, tag, expect), template.back)
     elif shape is not None or dtype is not None:
         expect = _expected(shape, dtype)
+    expect = expect if out is None else _fits_out(ctx, out, expect, input)
     later = Later()
     receive: list[_Receive] = []
 
     def post() -> _Receive:
-        receive.append(_Receive(ctx, peer, tag, expect, device, later))
+        receive.append(_Receive(ctx, peer, tag, expect, device, later, out, lambda a: protect_output(op, out, a)))
         return receive[0]
 
-    def finish() -> Tensor:
-        return receive[0].finish()
-
-    op = Op(f"recv from rank {peer}", ctx.p2p_group, 0, post, finish)
+    # A lambda: the receive exists only once posted.
+    op = Op(f"recv from rank {peer}", ctx.p2p_group, 0, post, lambda: receive[0].finish())  # noqa: PLW0108
     return follow(start(ctx, op, later), template.back if input is not None else None)

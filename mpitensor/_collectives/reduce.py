@@ -8,22 +8,30 @@ from .._core.config import ReduceOperation, parse_op
 from .._core.device import Device
 from .._core.dtypes import reduce_plan
 from .._core.tensor import Tensor
-from .._runtime.check import Record
-from .._runtime.context import DevicesArg
-from .._runtime.engine import Op
+from .._runtime.context import DevicesArg, DistributedContext
+from .._runtime.engine import Group, Op
 from .common import (
     CollectiveTensor,
+    Input,
     check_record,
     context_for,
-    finish_reduction,
     follow,
     group_root,
-    reduction_buffers,
-    reduction_input,
     result_device,
     root_rank,
     start,
     take_input,
+)
+from .options import (
+    finish_scaled,
+    make_record,
+    output_tensor,
+    prescaled_input,
+    protect_output,
+    reduction_outputs,
+    refuse_on_gpu,
+    scale_factors,
+    scale_options,
 )
 
 __all__ = ["reduce"]
@@ -35,6 +43,9 @@ def reduce(
     *,
     root: int | Device = 0,
     devices: DevicesArg = None,
+    out: Any = None,
+    prescale_factor: float | None = None,
+    postscale_factor: float | None = None,
 ) -> CollectiveTensor:
     """Start a reduction to the root (``MPI_Ireduce``) and return at once.
 
@@ -44,14 +55,23 @@ def reduce(
         root: the rank (in the context, a member of the group) or `Device` that gets
             the result.
         devices: the group; None for every rank of the context.
+        out: a host Tensor or NumPy array to write the result into (of the result's
+            shape and dtype, writable, C-contiguous, not the input); checked on every
+            rank, written on the root only. Not to be written until the handle resolves.
+        prescale_factor: multiplies each rank's input before the reduction (into a
+            private copy: the input is not changed). Integer tensors take integers only.
+        postscale_factor: multiplies the result after the reduction (after MEAN's division).
 
     Returns:
-        A `CollectiveTensor` resolving to the result on the root and to None elsewhere.
+        A `CollectiveTensor` resolving to the result on the root (`out` itself when it
+        is a Tensor, else a Tensor sharing its memory) and to None elsewhere.
 
     Raises:
-        TypeError: bad input or dtype.
-        ValueError: the root is not a member of the group (raised on every rank).
-        CollectiveMismatchError: the ranks disagree on shape, dtype, op, root or group.
+        TypeError: bad input, dtype, factor or `out` dtype.
+        ValueError: the root is not a member of the group (raised on every rank), or a
+            bad `out` (shape, read-only, not contiguous, overlapping the input).
+        CollectiveMismatchError: the ranks disagree on shape, dtype, op, root, factors
+            or group.
     """
     ctx = context_for("reduce")
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
@@ -59,30 +79,46 @@ def reduce(
     group = ctx.group(devices, "reduce")
     root_at = root_rank(ctx, root)
     if source.on_gpu:
+        refuse_on_gpu("reduce", out=out, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
         from .gpu_staged import gpu_reduce
 
         return follow(gpu_reduce(ctx, source, reduce_op, group, root_at), source.back)
+    handle = _start(ctx, source, reduce_op, group, root_at, out, (prescale_factor, postscale_factor))
+    return follow(handle, source.back)
+
+
+def _start(ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, group: Group, root_at: int,
+           out: Any, factors: tuple[Any, Any]) -> CollectiveTensor:
     plan = reduce_plan(reduce_op, source.buffer.dtype)
     array = source.array
-    send, protections = reduction_input(ctx, source, plan)
+    pre, post_factor = scale_factors(*factors, source.buffer.dtype, "reduce")
     is_root = root_at == ctx.rank
-    out, final = reduction_buffers(ctx, array.shape, plan) if is_root else (None, None)
-    result = Tensor(final, result_device(ctx, source)) if final is not None else None
+    # Checked on every rank, so that a bad out= raises alike everywhere; used on the root only.
+    work, final = reduction_outputs(ctx, out, array.shape, plan, "reduce", (array,))
+    if not is_root:
+        out, work, final = None, None, None
+    send, protections = prescaled_input(ctx, source, plan, pre)
+    result = output_tensor(out, final, result_device(ctx, source)) if final is not None else None
     comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
 
     def post() -> list[Any]:
         index = group_root(group, root_at, "reduce")
-        recv = [out, datatype] if out is not None else None
-        return [comm.Ireduce([send, datatype], recv, mpi_op, root=index)]
+        recv = [work, datatype] if work is not None else None
+        requests = [comm.Ireduce([send, datatype], recv, mpi_op, root=index)]
+        protect_output(collective, out, final)
+        return requests
 
     def finish() -> Tensor | None:
-        if out is not None:
-            finish_reduction(out, final, plan, size)
+        if work is not None:
+            finish_scaled(work, final, plan, size, post_factor)
         return result
 
-    record = check_record(ctx, group, Record("reduce", reduce_op, array.dtype, array.shape, root_at, group.members))
+    options = scale_options(pre, post_factor)
+    record = check_record(
+        ctx, group, make_record(options, "reduce", reduce_op, array.dtype, array.shape, root_at, group.members)
+    )
     collective = Op(
-        "reduce", group, array.nbytes, post, finish, record=record, keep=(send, out, final),
+        "reduce", group, array.nbytes, post, finish, record=record, keep=(send, work, final),
         protections=protections,
     )
-    return follow(start(ctx, collective, result), source.back)
+    return start(ctx, collective, result)

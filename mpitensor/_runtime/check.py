@@ -36,6 +36,7 @@ __all__ = [
     "FAILED_CALL",
     "KIND_NAMES",
     "AbandonRecord",
+    "OptionsRecord",
     "Record",
     "Waiting",
     "cycle_text",
@@ -68,6 +69,9 @@ KIND_NAMES = {
     12: "scatter",
     13: "scan",
     14: "exscan",
+    20: "grouped all_gather",
+    21: "grouped reduce_scatter",
+    22: "grouped broadcast",
     15: "no collective (abandoned)",
     16: "broadcast_object",
     17: "all_gather_object",
@@ -217,6 +221,55 @@ class Record:
         }
 
 
+class OptionsRecord(Record):
+    """A `Record` with named options that must agree as well (counts, splits, scale factors).
+
+    A subclass, so that calls without such options build the plain record as before.
+    Ranks that pass an option and ranks that leave it at its default (where the call
+    builds a plain `Record`) therefore disagree, as they should.
+
+    Args:
+        options: ``(name, value)`` pairs, in an order fixed per collective; values are
+            ints, floats, complex numbers or tuples of them (their hashes are equal in
+            every process, unlike those of strings).
+        The other arguments are `Record`'s.
+    """
+
+    __slots__ = ("options",)
+
+    def __init__(
+        self,
+        kind: str,
+        op: ReduceOperation | None,
+        dtype: np.dtype | None,
+        shape: tuple[int, ...] | None,
+        root: int,
+        group: tuple[int, ...],
+        per_rank: int = 0,
+        extra: int = 0,
+        *,
+        options: tuple[tuple[str, Any], ...] = (),
+    ) -> None:
+        super().__init__(kind, op, dtype, shape, root, group, per_rank, extra)
+        self.options = options
+
+    def agreement(self) -> int:
+        """`Record.agreement`, with the options' values hashed in."""
+        return hash((super().agreement(), tuple(value for _, value in self.options))) & _MASK
+
+    def detail(self) -> dict[str, Any]:
+        """`Record.detail`, with the options."""
+        out = super().detail()
+        out["options"] = self.options
+        return out
+
+
+def _options_text(options: tuple[tuple[str, Any], ...] | None) -> str:
+    if not options:
+        return "no options"
+    return "options " + ", ".join(f"{name}={value!r}" for name, value in options)
+
+
 class AbandonRecord(Record):
     """The record of a check this rank posts only to unblock peers (see the diagnosis).
 
@@ -303,6 +356,7 @@ _FIELDS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
     ("dtype", "tensor dtypes", lambda d: f"sent a tensor of dtype {_dtype_name(d['dtype'])}"),
     ("shape", "tensor shapes", lambda d: f"sent a tensor of shape {_shape_text(d['shape'])}"),
     ("root", "roots", lambda d: f"named root {d['root']}"),
+    ("options", "options", lambda d: f"passed {_options_text(d.get('options'))}"),
     ("extra", "arguments", lambda d: f"passed argument {d['extra']}"),
 ]
 
@@ -404,7 +458,7 @@ def mismatch_error(
             continue  # a fused call's totals and hash: the entries line says what differs instead
         values: dict[Any, list[int]] = {}
         for member, detail in zip(members, details):
-            values.setdefault(detail[name], []).append(member)
+            values.setdefault(detail.get(name), []).append(member)
         if len(values) <= 1:
             continue
         groups = list(values.values())

@@ -55,7 +55,8 @@ FAILED = 4  # the check found a mismatch; nothing was sent
 _STATE_NAMES = ("checking", "queued", "posted", "complete", "failed")
 
 # Stages of a check: the agreement all-reduce on the check communicator; then, on the
-# detail communicator and only when needed, the per-rank values (all_gatherv's lengths),
+# detail communicator and only when needed, the per-rank values (all_gatherv's lengths,
+# or all_to_all's swapped counts),
 # or the sizes and then the bytes of every rank's full record (a mismatch).
 _AGREE, _PER_RANK, _DETAIL_SIZES, _DETAIL = 1, 2, 3, 4
 
@@ -127,7 +128,10 @@ class Op:
         keep: objects (buffers) to keep alive until MPI is done.
         protections: inputs and outputs to protect from writes until MPI is done.
         exchange: learn every rank's `Record.per_rank` before posting (``all_gather``
-            needs every rank's length); `post` then receives them, in group order.
+            needs every rank's length); `post` then receives them, in group order. An
+            int64 array of one count per member instead swaps counts: count k goes to
+            member k, and `post` receives what each member sent this rank (the receive
+            counts of ``all_to_all`` with splits), in group order.
         compare: compare the records (the consistency check); with `exchange` alone the
             per-rank values are only exchanged.
     """
@@ -167,7 +171,7 @@ class Op:
         record: Record | None = None,
         keep: tuple[Any, ...] = (),
         protections: tuple[Protection, ...] = (),
-        exchange: bool = False,
+        exchange: bool | np.ndarray = False,
         compare: bool = True,
     ) -> None:
         self.name = name
@@ -300,6 +304,14 @@ class Engine:
                 self._fail(op)
                 return True
             shortest, longest = int(received[2]), -int(received[3])
+            if op.exchange is not False and op.exchange is not True:
+                # Counts to swap: posted on the detail communicator, in call order, like
+                # every later stage, so the data that depends on them keeps its order.
+                op.check_send = op.exchange
+                op.check_recv = np.empty(group.size, np.int64)
+                op.check_req = group.detail_comm.Ialltoall(op.check_send, op.check_recv)
+                op.check_stage = _PER_RANK
+                return False
             if op.exchange and shortest != longest:
                 # The per-rank values differ (all_gatherv's lengths): gather them. Posted on
                 # the detail communicator, in call order, like every later stage.
@@ -377,7 +389,7 @@ class Engine:
 
     def _post_data(self, op: Op) -> None:
         try:
-            started = op.post(op.gathered) if op.exchange else op.post()
+            started = op.post(op.gathered) if op.exchange is not False else op.post()
         except MPI.Exception as exc:
             message = f"MPI failed to start {op.describe()}: {exc}"
             self.ctx.mark_broken(message)
