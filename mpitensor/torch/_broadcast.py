@@ -160,7 +160,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0) -
     if ctx.rank == root:
         broadcast_tensors(tensors, root)
         return
-    hollow = pickle.loads(received.tobytes())  # noqa: S301 - from the root of this job
+    hollow = pickle.loads(received.tobytes())  # the root of this job sent it
     slots: list[_Slot] = []
     _collect_slots(hollow, slots)
     tensors = [torch.empty(slot.shape, dtype=slot.dtype) for slot in sorted(slots, key=lambda s: s.index)]

@@ -135,7 +135,7 @@ def test_an_unused_parameter_is_an_error_that_names_it(ctx):
                                            r"Pass DataParallel\(\.\.\., find_unused_parameters=True\)"):
         loss_fn(model(shard(x, ctx)), shard(y, ctx)).backward()
     # The reducer is ready for the next step (which fails the same way, not with a hang).
-    with pytest.raises(RuntimeError, match="unused.weight"):
+    with pytest.raises(RuntimeError, match=r"unused\.weight"):
         loss_fn(model(shard(x, ctx)), shard(y, ctx)).backward()
 
 
