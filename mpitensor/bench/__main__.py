@@ -1,10 +1,11 @@
-"""``python -m mpitensor.bench [all|sweep|overlap|fused|report] ...`` (under mpiexec but report).
+"""``python -m mpitensor.bench [all|sweep|overlap|fused|torch|report] ...`` (under mpiexec but report).
 
 Examples::
 
     mpiexec -n 2 python -m mpitensor.bench                      # everything, full sweep
     mpiexec -n 2 python -m mpitensor.bench sweep --sizes 8,1M,16M --reps 3
     mpiexec -n 4 python -m mpitensor.bench all --quick          # a short sanity run
+    mpiexec -n 4 python -m mpitensor.bench torch                # DataParallel against torch DDP
     python -m mpitensor.bench report bench-results/*.json       # the targets table
 """
 
@@ -23,8 +24,9 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpitensor.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="all", choices=["all", "sweep", "overlap", "fused", "report"],
-                        help="what to run (default: all three benchmarks)")
+    parser.add_argument("command", nargs="?", default="all",
+                        choices=["all", "sweep", "overlap", "fused", "torch", "report"],
+                        help="what to run (default: all; torch's row runs where torch is installed)")
     parser.add_argument("files", nargs="*", help="report: the JSON files of the runs")
     parser.add_argument("--sizes", default="8:64M", help="sweep sizes: 'LOW:HIGH' powers of two or a list (8:64M)")
     parser.add_argument("--overlap-sizes", default="64K:64M", help="overlap sizes (64K:64M)")
@@ -35,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensor-bytes", default="4K", help="fused: bytes per tensor (4K)")
     parser.add_argument("--out", default="bench-results", help="output folder (bench-results)")
     parser.add_argument("--name", default=None, help="file name stem (default: <mpi>-np<ranks>)")
-    parser.add_argument("--no-gloo", action="store_true", help="skip the torch gloo baseline")
+    parser.add_argument("--no-gloo", action="store_true", help="skip the torch gloo baselines")
+    parser.add_argument("--steps", type=int, default=30, help="torch: timed training steps per variant (30)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--quick", action="store_true",
                         help="a short sanity run: a few sizes, 3 rounds, short batches")
@@ -84,6 +87,7 @@ def _shorten(args: argparse.Namespace) -> None:
     args.overlap_sizes = "1M,16M" if args.overlap_sizes == "64K:64M" else args.overlap_sizes
     args.reps = min(args.reps, 3)
     args.target = min(args.target, 0.01)
+    args.steps = min(args.steps, 10)
 
 
 def _sweep_variants(args: argparse.Namespace, known: tuple[str, ...]) -> tuple[str, ...]:
@@ -116,6 +120,18 @@ def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], over
         say(f"fused: {args.count} tensors of {format_size(tensor_bytes)}")
         result = run_fused(args.count, tensor_bytes, reps=args.reps, target=args.target, progress=say)
         out.publish("fused", result, format_fused)
+    if args.command == "torch" or (args.command == "all" and not args.no_gloo and _has_torch()):
+        from .torch_ddp import format_torch_ddp, run_torch_ddp
+
+        say("torch: DataParallel against DDP on gloo")
+        result = run_torch_ddp(steps=args.steps, progress=say)
+        out.publish("torch", result, format_torch_ddp)
+
+
+def _has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
 
 
 class _Output:
