@@ -244,3 +244,24 @@ def test_same_gradients_as_torch_ddp_on_gloo(ctx):
                 torch.testing.assert_close(b.grad, a.grad, rtol=1e-13, atol=1e-15, msg=f"{name}.grad at step {step}")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lower_precision_gradients_are_averaged_in_their_dtype(ctx, dtype):
+    torch.manual_seed(0)
+    model = DataParallel(torch.nn.Linear(8, 3).to(dtype), bucket_bytes=64)
+    inputs = [torch.full((2, 8), 0.25 * (rank + 1), dtype=dtype) for rank in range(ctx.size)]
+    model(inputs[ctx.rank]).sum().backward()
+    expected = torch.zeros(3, 8)
+    for rank in range(ctx.size):
+        expected += inputs[rank].float().sum(0).expand(3, 8) / ctx.size
+    assert model.module.weight.grad.dtype == dtype
+    torch.testing.assert_close(model.module.weight.grad.float(), expected, rtol=1e-2, atol=1e-2)
+    assert_same_on_every_rank(ctx, [model.module.weight.grad.float()])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_models_get_a_mismatch_error(ctx):
+    width = 4 if ctx.rank == 0 else 5
+    with pytest.raises(mt.CollectiveMismatchError):
+        DataParallel(torch.nn.Linear(3, width))
