@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["ALIGN", "flat_buffer", "host_view", "numpy_dtype"]
+__all__ = ["ALIGN", "flat_buffer", "host_view", "numpy_dtype", "torch_view"]
 
 # Offsets of tensors packed into one byte buffer are rounded up to this, so that every
 # view of the buffer is aligned for its dtype (complex128 is the widest).
@@ -57,6 +57,11 @@ def flat_buffer(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarra
     it read-only instead of copying it (it copies memory another library owns).
     """
     array = np.zeros(numel, dtype=numpy_dtype(dtype))
+    return torch_view(array, dtype), array
+
+
+def torch_view(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A torch tensor of `dtype` over a writable NumPy array's memory (bfloat16 via int16)."""
     if dtype is torch.bfloat16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16), array
-    return torch.from_numpy(array), array
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)

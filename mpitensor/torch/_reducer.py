@@ -3,11 +3,12 @@
 Parameters are packed into buckets in reverse registration order (the order backward
 produces their gradients), one dtype per bucket, as DDP does. Each parameter's gradient
 lives in its bucket: ``param.grad`` is a view of the bucket's flat buffer, so autograd
-accumulates into the bucket and a ready bucket is all-reduced without packing. A bucket
+accumulates into the bucket and a ready bucket is all-reduced without packing; the
+average then becomes the bucket's buffer, so nothing is copied back either. A bucket
 starts the moment its last gradient is accumulated, in bucket order on every rank (a
 bucket that is ready early waits for the ones before it, so the ranks' MPI calls match).
-At the end of backward the reducer waits for the buckets and writes the averages back
-into the same buffers.
+At the end of backward the reducer waits for the buckets, and each parameter's gradient
+becomes its view of the average.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 import mpitensor as mt
 
-from ._arrays import flat_buffer
+from ._arrays import flat_buffer, torch_view
 
 __all__ = ["Reducer"]
 
@@ -84,16 +85,21 @@ class Reducer:
         self.views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         self.where: list[int] = [0] * len(params)  # each parameter's bucket
         for number, bucket in enumerate(self.buckets):
-            bucket.flat, bucket.array = flat_buffer(bucket.elements, bucket.dtype)
-            for index, offset in zip(bucket.members, bucket.offsets):
-                param = params[index]
-                self.views[index] = bucket.flat[offset : offset + param.numel()].view(param.shape)
+            self._place(bucket, *flat_buffer(bucket.elements, bucket.dtype))
+            for index in bucket.members:
                 self.where[index] = number
         self.used = np.zeros(len(params), dtype=np.int32)  # a gradient since the last sync
         self.hooks = [
             param.register_post_accumulate_grad_hook(self._hook(index)) for index, param in enumerate(params)
         ]
         self._reset()
+
+    def _place(self, bucket: Bucket, flat: torch.Tensor, array: np.ndarray) -> None:
+        """Make `array` (and `flat`, torch's view of it) the bucket's buffer and views."""
+        bucket.flat, bucket.array = flat, array
+        for index, offset in zip(bucket.members, bucket.offsets):
+            param = self.params[index]
+            self.views[index] = flat[offset : offset + param.numel()].view(param.shape)
 
     def _reset(self) -> None:
         self.ready = [False] * len(self.params)
@@ -194,7 +200,12 @@ class Reducer:
         one unused here but used elsewhere gets the average as its gradient.
         """
         if used is None or all(used[index] for index in bucket.members):
-            np.copyto(bucket.array, average)
+            # The average becomes the bucket: its memory is mpitensor's (pooled) and ours
+            # now, so the gradients are views of it, and copying it back is saved.
+            if average.flags.writeable and average.flags.c_contiguous and average.shape == bucket.array.shape:
+                self._place(bucket, torch_view(average, bucket.dtype), average)
+            else:
+                np.copyto(bucket.array, average)
             targets = bucket.members
         else:
             targets = [index for index in bucket.members if used[index]]
