@@ -41,6 +41,7 @@ class Bucket:
     flat: Any = None  # torch.Tensor over `array`'s memory
     array: Any = None  # np.ndarray: what the all-reduce reads
     pending: int = 0
+    prescale: bool = False  # float32/float64: gradients are divided as they enter the bucket
     handle: Any = None  # the CollectiveTensor of this step's all-reduce
 
 
@@ -77,6 +78,8 @@ class Reducer:
     """
 
     def __init__(self, names: list[str], params: list[torch.Tensor], bucket_bytes: int, find_unused: bool) -> None:
+        ranks = mt.current_context().size
+        self.scale = 1.0 / ranks
         self.names = names
         self.params = params
         self.find_unused = find_unused
@@ -86,6 +89,7 @@ class Reducer:
         self.where: list[int] = [0] * len(params)  # each parameter's bucket
         for number, bucket in enumerate(self.buckets):
             self._place(bucket, *flat_buffer(bucket.elements, bucket.dtype))
+            bucket.prescale = ranks > 1 and bucket.dtype in (torch.float32, torch.float64)
             for index in bucket.members:
                 self.where[index] = number
         self.used = np.zeros(len(params), dtype=np.int32)  # a gradient since the last sync
@@ -137,22 +141,39 @@ class Reducer:
                 f"DataParallel: the gradient of {self.names[index]!r} was produced twice in one backward "
                 "(reentrant checkpointing or a parameter shared across modules by hand?); this is not supported"
             )
-        view = self.views[index]
-        grad = param.grad
-        if grad is not view:  # a fresh gradient (after zero_grad(set_to_none=True)): adopt it
-            view.copy_(grad)
-            param.grad = view
-        self.ready[index] = True
         bucket = self.buckets[self.where[index]]
+        self._enter(bucket, index, param.grad)
+        param.grad = self.views[index]
+        self.ready[index] = True
         bucket.pending -= 1
         if bucket.pending == 0:
             self._start_ready()
+
+    def _enter(self, bucket: Bucket, index: int, grad: torch.Tensor | None) -> None:
+        """Put a gradient into its place in the bucket (divided by the ranks where prescaled).
+
+        A fresh gradient (after ``zero_grad(set_to_none=True)``) is copied in; one that is
+        already the bucket's view is used where it is. Dividing here, in the pass that
+        copies, saves MEAN's separate division of the result (as DDP divides first);
+        half precision is averaged by mpitensor instead, in float32.
+        """
+        view = self.views[index]
+        if grad is None:
+            view.zero_()
+        elif not bucket.prescale:
+            if grad is not view:
+                view.copy_(grad)
+        elif grad is view:
+            view.mul_(self.scale)
+        else:
+            torch.mul(grad, self.scale, out=view)
 
     def _start_ready(self) -> None:
         """Start every bucket that is ready and whose predecessors have started."""
         while self.next < len(self.buckets) and self.buckets[self.next].pending == 0:
             bucket = self.buckets[self.next]
-            bucket.handle = mt.all_reduce(bucket.array, mt.ReduceOperation.MEAN)
+            op = mt.ReduceOperation.SUM if bucket.prescale else mt.ReduceOperation.MEAN
+            bucket.handle = mt.all_reduce(bucket.array, op)
             self.next += 1
 
     def finish(self) -> None:
@@ -184,13 +205,12 @@ class Reducer:
         no gradient; ``param.grad`` is left alone until the average is known.
         """
         for index in missing:
-            view, grad = self.views[index], self.params[index].grad
-            if grad is None:
-                view.zero_()
-            elif grad is not view:
-                view.copy_(grad)
+            bucket, param = self.buckets[self.where[index]], self.params[index]
+            if bucket.prescale and param.grad is self.views[index]:
+                param.grad = param.grad.clone()  # kept as it is if no rank used the parameter
+            self._enter(bucket, index, param.grad)
             self.ready[index] = True
-            self.buckets[self.where[index]].pending -= 1
+            bucket.pending -= 1
         self._start_ready()
 
     def _write_back(self, bucket: Bucket, average: np.ndarray, used: np.ndarray | None) -> None:

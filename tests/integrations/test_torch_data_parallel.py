@@ -149,8 +149,9 @@ class Branchy(torch.nn.Module):
         self.extra = torch.nn.Linear(4, 4, dtype=torch.float64)
         self.never = torch.nn.Linear(4, 4, dtype=torch.float64)
 
-    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, use_extra: bool, use_never: bool = False) -> torch.Tensor:
         h = self.body(x)
+        h = self.never(h) if use_never else h
         return self.extra(h) if use_extra else h
 
 
@@ -175,6 +176,16 @@ def test_unused_parameters_are_handled_when_asked(ctx):
             assert p.grad is None
         else:
             torch.testing.assert_close(p.grad, expected[name], rtol=1e-13, atol=1e-13, msg=name)
+
+
+def test_a_gradient_no_rank_touched_in_a_step_keeps_its_value(ctx):
+    model = DataParallel(Branchy(), find_unused_parameters=True)
+    x = torch.full((3, 6), 0.5 + ctx.rank, dtype=torch.float64)
+    model(x, True, True).sum().backward()  # every parameter used: averaged
+    before = {name: p.grad.clone() for name, p in model.module.named_parameters()}
+    model(x, True).sum().backward()  # `never` unused everywhere, its gradient not zeroed
+    assert torch.equal(model.module.never.weight.grad, before["never.weight"])
+    assert not torch.equal(model.module.body.weight.grad, before["body.weight"])
 
 
 def test_buffers_come_from_rank_0_at_construction_and_before_each_forward(ctx):
