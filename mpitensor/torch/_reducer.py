@@ -3,12 +3,11 @@
 Parameters are packed into buckets in reverse registration order (the order backward
 produces their gradients), one dtype per bucket, as DDP does. Each parameter's gradient
 lives in its bucket: ``param.grad`` is a view of the bucket's flat buffer, so autograd
-accumulates into the bucket and a ready bucket is all-reduced without packing; the
-average then becomes the bucket's buffer, so nothing is copied back either. A bucket
+accumulates into the bucket and a ready bucket is all-reduced without packing. A bucket
 starts the moment its last gradient is accumulated, in bucket order on every rank (a
 bucket that is ready early waits for the ones before it, so the ranks' MPI calls match).
-At the end of backward the reducer waits for the buckets, and each parameter's gradient
-becomes its view of the average.
+At the end of backward the reducer waits for the buckets and copies the averages back
+into the same buffers.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import torch
 
 import mpitensor as mt
 
-from ._arrays import flat_buffer, torch_view
+from ._arrays import flat_buffer
 
 __all__ = ["Reducer"]
 
@@ -220,12 +219,9 @@ class Reducer:
         one unused here but used elsewhere gets the average as its gradient.
         """
         if used is None or all(used[index] for index in bucket.members):
-            # The average becomes the bucket: its memory is mpitensor's (pooled) and ours
-            # now, so the gradients are views of it, and copying it back is saved.
-            if average.flags.writeable and average.flags.c_contiguous and average.shape == bucket.array.shape:
-                self._place(bucket, torch_view(average, bucket.dtype), average)
-            else:
-                np.copyto(bucket.array, average)
+            # Copied back rather than adopted: the bucket's own memory is page-aligned, which
+            # the next backward's vectorized accumulation into it measurably prefers.
+            np.copyto(bucket.array, average)
             targets = bucket.members
         else:
             targets = [index for index in bucket.members if used[index]]
