@@ -12,7 +12,8 @@ into the same buffers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,9 +93,11 @@ class Reducer:
             for index in bucket.members:
                 self.where[index] = number
         self.used = np.zeros(len(params), dtype=np.int32)  # a gradient since the last sync
-        self.hooks = [
-            param.register_post_accumulate_grad_hook(self._hook(index)) for index, param in enumerate(params)
-        ]
+        # The hooks reach the reducer through a weak reference, and are removed when it
+        # goes: a module wrapped again after its first wrapper is dropped is reduced once.
+        me = weakref.ref(self)
+        hooks = [param.register_post_accumulate_grad_hook(_hook(me, index)) for index, param in enumerate(params)]
+        weakref.finalize(self, _remove, hooks)
         self._reset()
 
     def _place(self, bucket: Bucket, flat: torch.Tensor, array: np.ndarray) -> None:
@@ -112,19 +115,11 @@ class Reducer:
         self.next = 0  # the next bucket to start
         self.armed = False  # the end-of-backward callback is queued
 
-    def remove(self) -> None:
-        """Take the hooks off the parameters."""
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
-
-    def _hook(self, index: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            self.used[index] = 1
-            if self.sync:
-                self.mark_ready(index, param)
-
-        return hook
+    def on_gradient(self, index: int, param: torch.Tensor) -> None:
+        """Autograd accumulated parameter `index`'s gradient (its post-accumulate hook)."""
+        self.used[index] = 1
+        if self.sync:
+            self.mark_ready(index, param)
 
     def mark_ready(self, index: int, param: torch.Tensor) -> None:
         """Parameter `index`'s gradient is final for this backward: move it into its bucket.
@@ -219,8 +214,8 @@ class Reducer:
         one unused here but used elsewhere gets the average as its gradient.
         """
         if used is None or all(used[index] for index in bucket.members):
-            # Copied back rather than adopted: the bucket's own memory is page-aligned, which
-            # the next backward's vectorized accumulation into it measurably prefers.
+            # Copied back rather than adopting the pooled result as the bucket: that measured
+            # no faster, and this way each param.grad stays the same tensor across steps.
             np.copyto(bucket.array, average)
             targets = bucket.members
         else:
@@ -239,6 +234,20 @@ class Reducer:
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.resolve()
+
+
+def _hook(reducer: weakref.ref[Reducer], index: int) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        alive = reducer()
+        if alive is not None:
+            alive.on_gradient(index, param)
+
+    return hook
+
+
+def _remove(hooks: list[Any]) -> None:
+    for handle in hooks:
+        handle.remove()
 
 
 def _unused_message(names: list[str]) -> str:

@@ -276,3 +276,18 @@ def test_ranks_with_different_models_get_a_mismatch_error(ctx):
     width = 4 if ctx.rank == 0 else 5
     with pytest.raises(mt.CollectiveMismatchError):
         DataParallel(torch.nn.Linear(3, width))
+
+
+def test_a_module_wrapped_again_is_averaged_once(ctx):
+    import gc
+
+    net, reference = Net(), Net()
+    first = DataParallel(net)
+    del first
+    gc.collect()
+    model = DataParallel(net)
+    x, y = data(0)
+    loss_fn(model(shard(x, ctx)), shard(y, ctx)).backward()
+    loss_fn(reference(x), y).backward()
+    for (name, mine), theirs in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-13, msg=f"{name}.grad")
