@@ -291,3 +291,20 @@ def test_a_module_wrapped_again_is_averaged_once(ctx):
     loss_fn(reference(x), y).backward()
     for (name, mine), theirs in zip(net.named_parameters(), reference.parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-13, msg=f"{name}.grad")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_bucket_sizes_get_a_mismatch_error(ctx):
+    model = DataParallel(Net(), bucket_bytes=256 if ctx.rank == 0 else 4096)
+    x, y = data(0)
+    with pytest.raises(mt.CollectiveMismatchError):
+        loss_fn(model(shard(x, ctx)), shard(y, ctx)).backward()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_disagree_on_unused_parameters_get_a_mismatch_error(ctx):
+    model = DataParallel(Net(), find_unused_parameters=ctx.rank == 0)
+    x, y = data(0)
+    with pytest.raises(mt.CollectiveMismatchError):  # rank 0 in the first step, the others in the second
+        for _ in range(2):
+            loss_fn(model(shard(x, ctx)), shard(y, ctx)).backward()
