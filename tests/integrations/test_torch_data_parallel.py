@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-import os
+import datetime
 import socket
 from collections.abc import Iterator
 
@@ -241,8 +241,8 @@ def _free_port(ctx: mt.DistributedContext) -> int:
 def test_same_gradients_as_torch_ddp_on_gloo(ctx):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port(ctx)))
-    dist.init_process_group("gloo", rank=ctx.rank, world_size=ctx.size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port(ctx)}", rank=ctx.rank,
+                            world_size=ctx.size, timeout=datetime.timedelta(seconds=60))
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(Net(seed=ctx.rank), bucket_cap_mb=0.001)
         ours = DataParallel(copy.deepcopy(ddp.module), bucket_bytes=1024)
@@ -254,6 +254,7 @@ def test_same_gradients_as_torch_ddp_on_gloo(ctx):
             for (name, a), b in zip(ddp.module.named_parameters(), ours.module.parameters()):
                 torch.testing.assert_close(b.grad, a.grad, rtol=1e-13, atol=1e-15, msg=f"{name}.grad at step {step}")
     finally:
+        dist.barrier()  # no rank tears its connections down while another still reads from them
         dist.destroy_process_group()
 
 
