@@ -50,20 +50,13 @@ class DataParallel(torch.nn.Module):
         broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
+        _validate(module, bucket_bytes)  # before any communication
         ctx = mt.current_context()
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         self._buffers_list = [buffer for _, buffer in module.named_buffers()]
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if tensor.device.type != "cpu":
-                raise TypeError(f"DataParallel: {name!r} is on {tensor.device}; DataParallel supports CPU modules")
-            if tensor.layout is not torch.strided:
-                raise TypeError(f"DataParallel: {name!r} is a {tensor.layout} tensor; only dense ones are supported")
-        _check_sparse(module)
         broadcast_tensors([*module.parameters(), *self._buffers_list], root=0)
-        if bucket_bytes is not None and bucket_bytes <= 0:
-            raise ValueError(f"DataParallel: bucket_bytes must be positive, got {bucket_bytes}")
         self._ranks = ctx.size
         self._reducer = (
             Reducer([name for name, _ in named], [param for _, param in named],
@@ -100,6 +93,29 @@ class DataParallel(torch.nn.Module):
         if self._reducer is None:
             return []
         return [[self._reducer.names[index] for index in bucket.members] for bucket in self._reducer.buckets]
+
+
+def _validate(module: Any, bucket_bytes: Any) -> None:
+    """Raise for a module DataParallel cannot train, or a bad bucket size.
+
+    Raises:
+        TypeError: not a Module, a tensor not on the CPU or not dense, sparse gradients,
+            or a bucket size that is not an int.
+        ValueError: a bucket size that is not positive.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
+    if bucket_bytes is not None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+            raise TypeError(f"DataParallel: bucket_bytes must be an int or None, got {type(bucket_bytes).__name__}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"DataParallel: bucket_bytes must be positive, got {bucket_bytes}")
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.device.type != "cpu":
+            raise TypeError(f"DataParallel: {name!r} is on {tensor.device}; DataParallel supports CPU modules")
+        if tensor.layout is not torch.strided:
+            raise TypeError(f"DataParallel: {name!r} is a {tensor.layout} tensor; only dense ones are supported")
+    _check_sparse(module)
 
 
 def _check_sparse(module: torch.nn.Module) -> None:

@@ -224,6 +224,10 @@ def test_forward_and_state_dict_pass_through(ctx):
 def test_bad_arguments_are_clear_errors(ctx):
     with pytest.raises(ValueError, match="bucket_bytes must be positive, got 0"):
         DataParallel(Net(), bucket_bytes=0)
+    with pytest.raises(TypeError, match="bucket_bytes must be an int or None, got float"):
+        DataParallel(Net(), bucket_bytes=1e6)
+    with pytest.raises(TypeError, match=r"wraps a torch\.nn\.Module, got function"):
+        DataParallel(loss_fn)
     sparse = torch.nn.Embedding(4, 2, sparse=True)
     with pytest.raises(TypeError, match=r"'weight' needs sparse gradients"):
         DataParallel(sparse)
