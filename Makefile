@@ -6,13 +6,17 @@ VENV ?= .venv
 NP ?= 4
 export PYTHON
 
-.PHONY: venv demo test test-openmpi test-mpich lint info clean
+.PHONY: venv demo demo-torch test test-openmpi test-mpich lint info clean
 
 venv:
 	@scripts/make-venv.sh $(VENV) $(MPI)
 
 demo: venv
 	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python examples/data_parallel.py
+
+# The same training with PyTorch: a small CNN wrapped in mpitensor.torch.DataParallel.
+demo-torch: venv
+	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python examples/torch_data_parallel.py
 
 # The suite on both MPIs at 1-4 ranks, lint, then the cluster tests (a real Slurm, several
 # hosts made of network namespaces), which skip with a message where they cannot run.

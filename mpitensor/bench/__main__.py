@@ -1,4 +1,4 @@
-"""``python -m mpitensor.bench [all|sweep|overlap|fused|interop|collectives|report] ...`` (under mpiexec but report).
+"""``python -m mpitensor.bench [all|sweep|overlap|fused|interop|collectives|torch|report] ...`` (under mpiexec but report).
 
 Examples::
 
@@ -7,6 +7,7 @@ Examples::
     mpiexec -n 4 python -m mpitensor.bench all --quick          # a short sanity run
     mpiexec -n 2 python -m mpitensor.bench interop              # torch input against NumPy input
     mpiexec -n 2 python -m mpitensor.bench collectives          # gather, scatter, scans, objects
+    mpiexec -n 4 python -m mpitensor.bench torch                # DataParallel against torch DDP
     python -m mpitensor.bench report bench-results/*.json       # the targets table
 """
 
@@ -26,8 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpitensor.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="all",
-                        choices=["all", "sweep", "overlap", "fused", "interop", "collectives", "report"],
-                        help="what to run (default: every benchmark)")
+                        choices=["all", "sweep", "overlap", "fused", "interop", "collectives", "torch", "report"],
+                        help="what to run (default: all; torch's row runs where torch is installed)")
     parser.add_argument("files", nargs="*", help="report: the JSON files of the runs")
     parser.add_argument("--sizes", default="8:64M", help="sweep sizes: 'LOW:HIGH' powers of two or a list (8:64M)")
     parser.add_argument("--overlap-sizes", default="64K:64M", help="overlap sizes (64K:64M)")
@@ -41,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--interop-sizes", default="1M,16M", help="interop: sizes (1M,16M)")
     parser.add_argument("--out", default="bench-results", help="output folder (bench-results)")
     parser.add_argument("--name", default=None, help="file name stem (default: <mpi>-np<ranks>)")
-    parser.add_argument("--no-gloo", action="store_true", help="skip the torch gloo baseline")
+    parser.add_argument("--no-gloo", action="store_true", help="skip the torch gloo baselines")
+    parser.add_argument("--steps", type=int, default=30, help="torch: timed training steps per variant (30)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--quick", action="store_true",
                         help="a short sanity run: a few sizes, 3 rounds, short batches")
@@ -90,6 +92,7 @@ def _shorten(args: argparse.Namespace) -> None:
     args.overlap_sizes = "1M,16M" if args.overlap_sizes == "64K:64M" else args.overlap_sizes
     args.reps = min(args.reps, 3)
     args.target = min(args.target, 0.01)
+    args.steps = min(args.steps, 10)
 
 
 def _sweep_variants(args: argparse.Namespace, known: tuple[str, ...]) -> tuple[str, ...]:
@@ -135,6 +138,18 @@ def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], over
         say(f"collectives: {format_size_list(collective_sizes)}")
         result = run_collectives(collective_sizes, reps=args.reps, target=args.target, progress=say)
         out.publish("collectives", result, format_collectives)
+    if args.command == "torch" or (args.command == "all" and not args.no_gloo and _has_torch()):
+        from .torch_ddp import format_torch_ddp, run_torch_ddp
+
+        say("torch: DataParallel against DDP on gloo")
+        result = run_torch_ddp(steps=args.steps, progress=say)
+        out.publish("torch", result, format_torch_ddp)
+
+
+def _has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
 
 
 class _Output:

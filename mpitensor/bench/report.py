@@ -69,7 +69,7 @@ def evaluate(run: dict[str, Any]) -> list[Target]:
     """Every target that `run` has data for.
 
     Args:
-        run: one run's JSON (with ``sweep``, ``overlap`` and ``fused`` entries).
+        run: one run's JSON (with ``sweep``, ``overlap``, ``fused`` and ``torch`` entries).
     """
     targets: list[Target] = []
     sweep = run.get("sweep")
@@ -81,7 +81,19 @@ def evaluate(run: dict[str, Any]) -> list[Target]:
     fused = run.get("fused")
     if fused is not None:
         targets += _fused_targets(fused)
+    torch_run = run.get("torch")
+    if torch_run is not None and "skipped" not in torch_run:
+        targets.append(_torch_target(torch_run))
     return targets
+
+
+def _torch_target(result: dict[str, Any]) -> Target:
+    """DataParallel's training step against torch DDP's on gloo (the same MLP, interleaved)."""
+    mt_, ddp = result["variants"]["mt"], result["variants"]["ddp"]
+    detail = (f"MLP {result['params'] / 1e6:.1f}M params: step {mt_['step_s'] * 1e3:.1f} ms vs DDP "
+              f"{ddp['step_s'] * 1e3:.1f} ms; exposed comm {mt_['exposed_s'] * 1e3:.1f} vs "
+              f"{ddp['exposed_s'] * 1e3:.1f} ms")
+    return Target("DataParallel step / DDP-gloo step", result["mt_over_ddp"], 0.85, False, detail)
 
 
 def _sweep_targets(sweep: dict[str, Any]) -> list[Target]:

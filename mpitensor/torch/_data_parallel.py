@@ -1,0 +1,129 @@
+"""`DataParallel`: torch's ``DistributedDataParallel`` on mpitensor's collectives."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import mpitensor as mt
+
+from ._broadcast import broadcast_tensors
+from ._reducer import Reducer
+
+__all__ = ["DataParallel"]
+
+
+class DataParallel(torch.nn.Module):
+    """Data-parallel training of `module` over every rank of the open context (DDP's behaviour).
+
+    At construction rank 0's parameters and buffers are copied to every rank. During each
+    backward the gradients are averaged across ranks in buckets, each started as soon as
+    its gradients are accumulated, so communication overlaps the rest of backward; when
+    ``loss.backward()`` returns, every ``param.grad`` holds the average. ``param.grad`` is
+    a view of the bucket's buffer (DDP's ``gradient_as_bucket_view``).
+
+    Args:
+        module: the model (its parameters on the CPU); every rank builds the same one.
+        bucket_bytes: the size of a gradient bucket; None for the context's
+            ``config.bucket_bytes`` (25 MiB). The first bucket holds at most 1 MiB, as DDP's.
+        find_unused_parameters: parameters that get no gradient in a backward are
+            expected: what they hold goes into the average (zeros for none), and those no
+            rank used keep their gradient untouched. Costs one small all-reduce per step.
+        broadcast_buffers: copy rank 0's buffers (BatchNorm statistics, ...) to every rank
+            before each forward.
+
+    Raises:
+        NoContextError: no context is open.
+        TypeError: a parameter or buffer is not on the CPU, or a sparse parameter.
+        CollectiveMismatchError: the ranks' modules differ in the size of their state.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        bucket_bytes: int | None = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__()
+        _validate(module, bucket_bytes)  # before any communication
+        ctx = mt.current_context()
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+        self._buffers_list = [buffer for _, buffer in module.named_buffers()]
+        broadcast_tensors([*module.parameters(), *self._buffers_list], root=0)
+        self._ranks = ctx.size
+        self._reducer = (
+            Reducer([name for name, _ in named], [param for _, param in named],
+                    bucket_bytes or ctx.config.bucket_bytes, find_unused_parameters)
+            if named else None
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Broadcast rank 0's buffers (if asked), then run the wrapped module."""
+        if self.broadcast_buffers and self._buffers_list and self._ranks > 1:
+            broadcast_tensors(self._buffers_list, root=0)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within this block backward only accumulates gradients locally.
+
+        The first backward after the block averages what was accumulated, as DDP's
+        ``no_sync`` does (gradient accumulation over several micro-batches).
+        """
+        reducer = self._reducer
+        if reducer is None:
+            yield
+            return
+        before, reducer.sync = reducer.sync, False
+        try:
+            yield
+        finally:
+            reducer.sync = before
+
+    @property
+    def bucket_names(self) -> list[list[str]]:
+        """The parameter names in each gradient bucket, in the order the buckets start."""
+        if self._reducer is None:
+            return []
+        return [[self._reducer.names[index] for index in bucket.members] for bucket in self._reducer.buckets]
+
+
+def _validate(module: Any, bucket_bytes: Any) -> None:
+    """Raise for a module DataParallel cannot train, or a bad bucket size.
+
+    Raises:
+        TypeError: not a Module, a tensor not on the CPU or not dense, sparse gradients,
+            or a bucket size that is not an int.
+        ValueError: a bucket size that is not positive.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"DataParallel wraps a torch.nn.Module, got {type(module).__name__}")
+    if bucket_bytes is not None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+            raise TypeError(f"DataParallel: bucket_bytes must be an int or None, got {type(bucket_bytes).__name__}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"DataParallel: bucket_bytes must be positive, got {bucket_bytes}")
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.device.type != "cpu":
+            raise TypeError(f"DataParallel: {name!r} is on {tensor.device}; DataParallel supports CPU modules")
+        if tensor.layout is not torch.strided:
+            raise TypeError(f"DataParallel: {name!r} is a {tensor.layout} tensor; only dense ones are supported")
+    _check_sparse(module)
+
+
+def _check_sparse(module: torch.nn.Module) -> None:
+    """Raise TypeError for an embedding with sparse gradients (only dense ones are averaged)."""
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
+            name = f"{prefix}.weight" if prefix else "weight"
+            raise TypeError(
+                f"DataParallel: {name!r} needs sparse gradients ({type(sub).__name__}(sparse=True)); "
+                "DataParallel averages dense gradients only: build it with sparse=False"
+            )

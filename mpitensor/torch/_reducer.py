@@ -1,0 +1,259 @@
+"""The gradient reducer behind `DataParallel`: buckets, hooks and the end of backward.
+
+Parameters are packed into buckets in reverse registration order (the order backward
+produces their gradients), one dtype per bucket, as DDP does. Each parameter's gradient
+lives in its bucket: ``param.grad`` is a view of the bucket's flat buffer, so autograd
+accumulates into the bucket and a ready bucket is all-reduced without packing. A bucket
+starts the moment its last gradient is accumulated, in bucket order on every rank (a
+bucket that is ready early waits for the ones before it, so the ranks' MPI calls match).
+At the end of backward the reducer waits for the buckets and copies the averages back
+into the same buffers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import mpitensor as mt
+
+from ._arrays import flat_buffer
+
+__all__ = ["Reducer"]
+
+# DDP's size of the first bucket: small, so that communication starts early in backward.
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+@dataclass
+class Bucket:
+    """Parameters (by index) whose gradients travel together, and their flat buffer."""
+
+    dtype: torch.dtype
+    members: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    elements: int = 0
+    flat: Any = None  # torch.Tensor over `array`'s memory
+    array: Any = None  # np.ndarray: what the all-reduce reads
+    pending: int = 0
+    prescale: bool = False  # float32/float64: gradients are divided as they enter the bucket
+    handle: Any = None  # the CollectiveTensor of this step's all-reduce
+
+
+def plan(params: Sequence[torch.Tensor], bucket_bytes: int, first_bytes: int) -> list[Bucket]:
+    """Pack the parameters, last first, into buckets of one dtype and at most `bucket_bytes`.
+
+    The first bucket holds at most `first_bytes`; a parameter larger than a bucket gets one
+    of its own.
+    """
+    buckets: list[Bucket] = []
+    open_by_dtype: dict[torch.dtype, Bucket] = {}
+    for index in reversed(range(len(params))):
+        param = params[index]
+        limit = first_bytes if len(buckets) <= 1 else bucket_bytes
+        bucket = open_by_dtype.get(param.dtype)
+        size = param.numel()
+        if bucket is None or (bucket.members and (bucket.elements + size) * param.element_size() > limit):
+            bucket = open_by_dtype[param.dtype] = Bucket(param.dtype)
+            buckets.append(bucket)
+        bucket.members.append(index)
+        bucket.offsets.append(bucket.elements)
+        bucket.elements += size
+    return buckets
+
+
+class Reducer:
+    """Averages the gradients of `params` across every rank during each synced backward.
+
+    Args:
+        names: the parameters' names, for messages.
+        params: the parameters that require grad, in registration order.
+        bucket_bytes: the bucket size in bytes.
+        find_unused: treat parameters without a gradient as unused instead of an error.
+    """
+
+    def __init__(self, names: list[str], params: list[torch.Tensor], bucket_bytes: int, find_unused: bool) -> None:
+        ranks = mt.current_context().size
+        self.scale = 1.0 / ranks
+        self.names = names
+        self.params = params
+        self.find_unused = find_unused
+        self.sync = True
+        self.buckets = plan(params, bucket_bytes, min(FIRST_BUCKET_BYTES, bucket_bytes))
+        self.views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+        self.where: list[int] = [0] * len(params)  # each parameter's bucket
+        for number, bucket in enumerate(self.buckets):
+            self._place(bucket, *flat_buffer(bucket.elements, bucket.dtype))
+            bucket.prescale = ranks > 1 and bucket.dtype in (torch.float32, torch.float64)
+            for index in bucket.members:
+                self.where[index] = number
+        self.used = np.zeros(len(params), dtype=np.int32)  # a gradient since the last sync
+        # The hooks reach the reducer through a weak reference, and are removed when it
+        # goes: a module wrapped again after its first wrapper is dropped is reduced once.
+        me = weakref.ref(self)
+        hooks = [param.register_post_accumulate_grad_hook(_hook(me, index)) for index, param in enumerate(params)]
+        weakref.finalize(self, _remove, hooks)
+        self._reset()
+
+    def _place(self, bucket: Bucket, flat: torch.Tensor, array: np.ndarray) -> None:
+        """Make `array` (and `flat`, torch's view of it) the bucket's buffer and views."""
+        bucket.flat, bucket.array = flat, array
+        for index, offset in zip(bucket.members, bucket.offsets):
+            param = self.params[index]
+            self.views[index] = flat[offset : offset + param.numel()].view(param.shape)
+
+    def _reset(self) -> None:
+        self.ready = [False] * len(self.params)
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.members)
+            bucket.handle = None
+        self.next = 0  # the next bucket to start
+        self.armed = False  # the end-of-backward callback is queued
+
+    def on_gradient(self, index: int, param: torch.Tensor) -> None:
+        """Autograd accumulated parameter `index`'s gradient (its post-accumulate hook)."""
+        self.used[index] = 1
+        if self.sync:
+            self.mark_ready(index, param)
+
+    def mark_ready(self, index: int, param: torch.Tensor) -> None:
+        """Parameter `index`'s gradient is final for this backward: move it into its bucket.
+
+        Raises:
+            RuntimeError: the parameter's gradient was already accumulated in this backward.
+        """
+        if not self.armed:
+            self.armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        if self.ready[index]:
+            raise RuntimeError(
+                f"DataParallel: the gradient of {self.names[index]!r} was produced twice in one backward "
+                "(reentrant checkpointing or a parameter shared across modules by hand?); this is not supported"
+            )
+        bucket = self.buckets[self.where[index]]
+        self._enter(bucket, index, param.grad)
+        param.grad = self.views[index]
+        self.ready[index] = True
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._start_ready()
+
+    def _enter(self, bucket: Bucket, index: int, grad: torch.Tensor | None) -> None:
+        """Put a gradient into its place in the bucket (divided by the ranks where prescaled).
+
+        A fresh gradient (after ``zero_grad(set_to_none=True)``) is copied in; one that is
+        already the bucket's view is used where it is. Dividing here, in the pass that
+        copies, saves MEAN's separate division of the result (as DDP divides first);
+        half precision is averaged by mpitensor instead, in float32.
+        """
+        view = self.views[index]
+        if grad is None:
+            view.zero_()
+        elif not bucket.prescale:
+            if grad is not view:
+                view.copy_(grad)
+        elif grad is view:
+            view.mul_(self.scale)
+        else:
+            torch.mul(grad, self.scale, out=view)
+
+    def _start_ready(self) -> None:
+        """Start every bucket that is ready and whose predecessors have started."""
+        while self.next < len(self.buckets) and self.buckets[self.next].pending == 0:
+            bucket = self.buckets[self.next]
+            op = mt.ReduceOperation.SUM if bucket.prescale else mt.ReduceOperation.MEAN
+            bucket.handle = mt.all_reduce(bucket.array, op)
+            self.next += 1
+
+    def finish(self) -> None:
+        """At the end of backward: complete every bucket and write the averages back.
+
+        Raises:
+            RuntimeError: some parameters got no gradient and unused parameters are not
+                expected (every rank that agrees on them raises the same).
+        """
+        try:
+            missing = [index for index, ready in enumerate(self.ready) if not ready]
+            if missing and not self.find_unused:
+                self._drain()
+                raise RuntimeError(_unused_message([self.names[i] for i in missing]))
+            everywhere = None
+            if self.find_unused:  # every rank, so that the ranks' calls match
+                self._mark_unused(missing)
+                everywhere = mt.all_reduce(self.used, mt.ReduceOperation.MAX).resolve().numpy()
+            for bucket in self.buckets:
+                self._write_back(bucket, bucket.handle.resolve().numpy(), everywhere)
+            self.used[:] = 0
+        finally:
+            self._reset()
+
+    def _mark_unused(self, missing: list[int]) -> None:
+        """Put the gradients of parameters unused in this backward into their buckets.
+
+        What a parameter has accumulated (under ``no_sync``) goes in, zeros where it has
+        no gradient; ``param.grad`` is left alone until the average is known.
+        """
+        for index in missing:
+            bucket, param = self.buckets[self.where[index]], self.params[index]
+            if bucket.prescale and param.grad is self.views[index]:
+                param.grad = param.grad.clone()  # kept as it is if no rank used the parameter
+            self._enter(bucket, index, param.grad)
+            self.ready[index] = True
+            bucket.pending -= 1
+        self._start_ready()
+
+    def _write_back(self, bucket: Bucket, average: np.ndarray, used: np.ndarray | None) -> None:
+        """Copy a bucket's average into its buffer, skipping parameters no rank used.
+
+        A parameter unused on every rank keeps its gradient as it was (None stays None);
+        one unused here but used elsewhere gets the average as its gradient.
+        """
+        if used is None or all(used[index] for index in bucket.members):
+            # Copied back rather than adopting the pooled result as the bucket: that measured
+            # no faster, and this way each param.grad stays the same tensor across steps.
+            np.copyto(bucket.array, average)
+            targets = bucket.members
+        else:
+            targets = [index for index in bucket.members if used[index]]
+            for index, offset in zip(bucket.members, bucket.offsets):
+                if used[index]:
+                    size = self.params[index].numel()
+                    np.copyto(bucket.array[offset : offset + size], average[offset : offset + size])
+        for index in targets:
+            param = self.params[index]
+            if param.grad is not self.views[index]:
+                param.grad = self.views[index]
+
+    def _drain(self) -> None:
+        """Wait for the buckets already started (before raising, so none is left behind)."""
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.resolve()
+
+
+def _hook(reducer: weakref.ref[Reducer], index: int) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        alive = reducer()
+        if alive is not None:
+            alive.on_gradient(index, param)
+
+    return hook
+
+
+def _remove(hooks: list[Any]) -> None:
+    for handle in hooks:
+        handle.remove()
+
+
+def _unused_message(names: list[str]) -> str:
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return (
+        f"DataParallel: these parameters got no gradient in this backward: {shown}. Pass "
+        "DataParallel(..., find_unused_parameters=True) if some parameters are legitimately unused "
+        "(or set requires_grad=False on parameters that never train)"
+    )
