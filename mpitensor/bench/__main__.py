@@ -1,4 +1,4 @@
-"""``python -m mpitensor.bench [all|sweep|overlap|fused|interop|collectives|torch|report] ...`` (under mpiexec but report).
+"""``python -m mpitensor.bench [all|sweep|overlap|fused|interop|collectives|torch|report] ...`` (mpiexec but report).
 
 Examples::
 
