@@ -387,11 +387,10 @@ def gpu_all_reduce(
     at the call. ``MEAN`` divides on the device.
 
     Every rank of a group must run the same algorithm. Ranks with host inputs use the
-    shared-memory all-reduce for large messages within a node (`_transport/shm/`), so a staged input
-    is offered to it too, and in a group that has CPU ranks the input is staged even on a
-    CUDA-aware MPI. (On a CUDA-aware MPI, a GPU-only context where one rank passes a host
-    array and another a GPU array of a size the shared-memory path takes would disagree:
-    pass the same kind of array on every rank, or set ``shared_memory=False``.)
+    shared-memory all-reduce for large messages within a node (`_transport/shm/`), so a
+    staged input is offered to it too, and in a group that has CPU ranks the input is
+    staged even on a CUDA-aware MPI. (There, host and GPU arrays mixed in one GPU-only
+    context disagree at shared-memory sizes: pass one kind, or ``shared_memory=False``.)
 
     Args:
         ctx: the open context.
@@ -411,6 +410,33 @@ def gpu_all_reduce(
     call = gpu_call(source.buffer)
     has_cpu_ranks = any(ctx.devices[m].kind != "cuda" for m in group.members)
     direct = device_buffers_ok(ctx, plan.mpi_op) and not has_cpu_ranks
+    send = _device_send(call, source, plan, direct)
+    out = call.empty(tuple(array.shape), plan.work_dtype)
+    # Half precision is reduced in float32 and rounded back into the result once.
+    final = call.empty(tuple(array.shape), plan.out_dtype) if plan.rounds_back else out
+    ready = call.mark()
+    result = Tensor(final, cuda_result_device(ctx, source, call.device))
+    fix = _FixUp(group.size if plan.divide else None, final, plan.codec)
+    if direct:
+        steps = _reduce_device_buffers(call, group, plan, send, out, ready, fix)
+    else:
+        steps = _staged_steps(ctx, call, group, plan, call.stage(send, after=ready), out, fix, array.nbytes)
+    post, finish_copy, keep = steps
+
+    def finish() -> Tensor:
+        finish_copy()
+        return result
+
+    record = check_record(ctx, group, Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members))
+    op = Op("all_reduce", group, array.nbytes, post, finish, record, (send, out, final, *keep), source.guard(ctx))
+    return start(ctx, op, result)
+
+
+_Steps = tuple[Callable[[], Any], Callable[[], None], tuple[Any, ...]]
+
+
+def _device_send(call: GpuCall, source: Input, plan: ReducePlan, direct: bool) -> Any:
+    """What a GPU all-reduce sends: the input, in the work dtype (as keys for float MAX/MIN on a CUDA-aware MPI)."""
     with call.scope(), call.stream:
         if plan.codec is not None and direct:
             # Float MAX/MIN: MPI reduces the keys (see _dtypes), encoded on the device.
@@ -422,49 +448,25 @@ def gpu_all_reduce(
             source.copied = True
         else:
             send = source.buffer
-    out = call.empty(tuple(array.shape), plan.work_dtype)
-    # Half precision is reduced in float32 and rounded back into the result once.
-    out_dtype = getattr(plan, "out_dtype", plan.work_dtype)
-    final = out if out_dtype == plan.work_dtype else call.empty(tuple(array.shape), out_dtype)
-    ready = call.mark()
-    result = Tensor(final, cuda_result_device(ctx, source, call.device))
-    fix = _FixUp(group.size if plan.divide else None, final, plan.codec)
-    if direct:
-        steps = _reduce_device_buffers(call, group, plan, send, out, ready, fix)
-    else:
-        staged = call.stage(send, after=ready)
-        # Ranks with host inputs take the shared-memory all-reduce where it applies (large
-        # messages within a node); its decision depends only on what every rank agrees on,
-        # so offering it the staged buffer keeps every rank on the same algorithm. The
-        # staged copy holds the floats: the shared-memory path reduces float MAX/MIN as
-        # they are, MPI reduces their keys (encoded on the host, decoded on the device).
-        host_call = ReduceCall(ctx, group, PrivateCopy(staged.buffer.array), plan, array.nbytes)
-        if SHARED_MEMORY.applies(host_call):
-            SHARED_MEMORY.prepare(host_call)
-            steps = _reduce_staged_shared(call, host_call, staged, out, _FixUp(fix.divide_by, fix.into))
-        else:
-            steps = _reduce_staged(call, group, plan, staged, out, fix)
-    post, finish_copy, keep = steps
-
-    def finish() -> Tensor:
-        finish_copy()
-        return result
-
-    record = check_record(ctx, group, Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members))
-    op = Op(
-        "all_reduce",
-        group,
-        array.nbytes,
-        post,
-        finish,
-        record=record,
-        keep=(send, out, final, *keep),
-        protections=source.guard(ctx),
-    )
-    return start(ctx, op, result)
+    return send
 
 
-_Steps = tuple[Callable[[], Any], Callable[[], None], tuple[Any, ...]]
+def _staged_steps(ctx: DistributedContext, call: GpuCall, group: Group, plan: ReducePlan, staged: Staged, out: Any,
+                  fix: _FixUp, nbytes: int) -> _Steps:
+    """The staged all-reduce: through the shared-memory transport where it applies, else MPI.
+
+    `nbytes` is the input's size, which host ranks decide by too.
+    """
+    # Ranks with host inputs take the shared-memory all-reduce where it applies (large
+    # messages within a node); its decision depends only on what every rank agrees on,
+    # so offering it the staged buffer keeps every rank on the same algorithm. The
+    # staged copy holds the floats: the shared-memory path reduces float MAX/MIN as
+    # they are, MPI reduces their keys (encoded on the host, decoded on the device).
+    host_call = ReduceCall(ctx, group, PrivateCopy(staged.buffer.array), plan, nbytes)
+    if SHARED_MEMORY.applies(host_call):
+        SHARED_MEMORY.prepare(host_call)
+        return _reduce_staged_shared(call, host_call, staged, out, _FixUp(fix.divide_by, fix.into))
+    return _reduce_staged(call, group, plan, staged, out, fix)
 
 
 @dataclass(frozen=True)

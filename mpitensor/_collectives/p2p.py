@@ -188,6 +188,19 @@ def _fits_out(ctx: DistributedContext, out: Any, expect: tuple[Any, Any] | None,
     return shape, np.dtype(dtype)
 
 
+def _recv_args(ctx: DistributedContext, template: Any, source: Any, tag: Any) -> tuple[Any, int, int]:
+    """`recv`'s template, peer and tag; an int where the template goes is the source.
+
+    Raises:
+        TypeError, ValueError: no source, or a bad rank or tag.
+    """
+    if source is None and isinstance(template, (int, np.integer, Device)) and not isinstance(template, bool):
+        template, source = None, template
+    if source is None:
+        raise TypeError("recv needs source=, the rank to receive from")
+    return template, _peer(ctx, source, "recv", "source"), _tag(tag)
+
+
 def recv(
     input: Any = None,  # noqa: A002
     source: int | Device | None = None,
@@ -223,12 +236,7 @@ def recv(
             expected one.
     """
     ctx = context_for("recv")
-    if source is None and isinstance(input, (int, np.integer, Device)) and not isinstance(input, bool):
-        input, source = None, input  # noqa: A001
-    if source is None:
-        raise TypeError("recv needs source=, the rank to receive from")
-    peer = _peer(ctx, source, "recv", "source")
-    tag = _tag(tag)
+    input, peer, tag = _recv_args(ctx, input, source, tag)  # noqa: A001
     expect, device = None, ctx.cpu_device
     if input is not None:
         template = take_input(input, ctx, "recv", "the template")

@@ -40,6 +40,14 @@ _host_pool = HostPool()
 _abandoned: list[Any] = []
 
 
+def _device_failure(failures: list[tuple[int, str]], own: str | None, world_rank: int) -> DeviceError:
+    """The error every rank raises when some ranks cannot have their device: own reason first."""
+    others = "; ".join(f"rank {rank}: {reason}" for rank, reason in failures if rank != world_rank)
+    if own is not None:
+        return DeviceError(own + (f" (and {others})" if others else ""))
+    return DeviceError(f"DistributedContext.init failed on other ranks, which cannot have their device: {others}")
+
+
 class DistributedContext:
     """The ranks and devices taking part in collectives, and everything they share.
 
@@ -150,12 +158,7 @@ class DistributedContext:
         if failures:
             local.Free()
             comm.Free()
-            own = mine[4]
-            others = "; ".join(f"rank {rank}: {reason}" for rank, reason in failures if rank != world_rank)
-            if own is not None:
-                raise DeviceError(own + (f" (and {others})" if others else ""))
-            raise DeviceError(f"DistributedContext.init failed on other ranks, which cannot have their device: "
-                              f"{others}")
+            raise _device_failure(failures, mine[4], world_rank)
         self._devices = tuple(
             Device(kind, index, members[r]) for r, (kind, index, _, _, _) in enumerate(everyone)
         )
@@ -163,12 +166,7 @@ class DistributedContext:
         self._local_ranks = tuple(row[3] for row in everyone)
         self._device = self._devices[self._rank]
         self.cpu_device = self._device if device.kind == "cpu" else Device("cpu", 0, world_rank)
-        self.diag_comm = comm.Dup()
-        full = tuple(range(self._size))
-        self.full_group = Group(full, comm.Dup(), comm.Dup(), comm.Dup())
-        self.groups[full] = self.full_group
-        # Point-to-point messages travel apart from collectives and never queue behind them.
-        self.p2p_group = Group(full, comm.Dup(), MPI.COMM_NULL)
+        self._open_groups(comm)
         self.engine = Engine(self)
         self.pool = _host_pool
         self.diagnosis = Diagnosis(self) if config.check and self._size > 1 else None
@@ -177,6 +175,15 @@ class DistributedContext:
         _state.push(self)
         if config.fail_fast:
             _failfast.arm()
+
+    def _open_groups(self, comm: Any) -> None:
+        """The whole context's group, the point-to-point group and the diagnosis communicator."""
+        self.diag_comm = comm.Dup()
+        full = tuple(range(self._size))
+        self.full_group = Group(full, comm.Dup(), comm.Dup(), comm.Dup())
+        self.groups[full] = self.full_group
+        # Point-to-point messages travel apart from collectives and never queue behind them.
+        self.p2p_group = Group(full, comm.Dup(), MPI.COMM_NULL)
 
     # -- what the context is ---------------------------------------------------------------
 
