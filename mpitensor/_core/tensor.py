@@ -91,9 +91,19 @@ def _place(array: Any, device: Device) -> Any:
         return array
     cupy = require_cupy()
     with cupy.cuda.Device(device.index):
-        if is_cupy_array(array) and array.device.id == device.index:
-            return array
+        if is_cupy_array(array):
+            return array if array.device.id == device.index else _onto_current_gpu(array)
         return cupy.asarray(array)
+
+
+def _onto_current_gpu(array: Any) -> Any:
+    """A copy of CuPy `array` (of another GPU) on the current GPU.
+
+    `cupy.asarray` returns an array of another GPU unchanged, which would leave a tensor
+    labelled with one GPU holding memory of another; `ndarray.copy` is CuPy's documented
+    copy onto the current device.
+    """
+    return array.copy()
 
 
 def _device_of_array(array: Any) -> Device:
@@ -446,6 +456,8 @@ def tensor(data: Any, *, dtype: Any = None, device: Device | str | None = None) 
         return Tensor(np.array(data, dtype=dtype, copy=True), target)
     cupy = require_cupy()
     with cupy.cuda.Device(target.index):
+        if is_cupy_array(data) and data.device.id != target.index:
+            return Tensor(cupy.asarray(_onto_current_gpu(data), dtype=dtype), target)
         return Tensor(cupy.array(data, dtype=dtype, copy=True), target)
 
 
@@ -460,12 +472,22 @@ def as_tensor(data: Any, *, device: Device | None = None) -> Tensor:
 
     Raises:
         TypeError: `data` is none of these.
+        DeviceError: `device` is not where the data lives (use `tensor(data, device=...)`
+            or `.to(device)` to copy it there).
     """
     if isinstance(data, Tensor):
         return data
     if not is_supported_array(data):
         data = to_array(data, None, "as_tensor", "data")
-    return Tensor(data, device if device is not None else _device_of_array(data))
+    actual = _device_of_array(data)
+    if device is None:
+        return Tensor(data, actual)
+    if (device.kind, device.index) != (actual.kind, actual.index):
+        raise DeviceError(
+            f"as_tensor shares memory and cannot move data: it lives on {actual.kind}:{actual.index}, "
+            f"not on {device}; copy it there with mt.tensor(data, device=...) or .to(device)"
+        )
+    return Tensor(data, device)
 
 
 def _foreign(data: Any) -> bool:
