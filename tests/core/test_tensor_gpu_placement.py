@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -46,7 +46,7 @@ class _StandInGpu:
 
 class _GpuArray:
     __module__ = "cupy._stand_in"
-    __cuda_array_interface__: dict[str, Any] = {}
+    __cuda_array_interface__: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, host: np.ndarray, device: int, gpu: _StandInGpu) -> None:
         self.host, self.device, self._gpu = host, SimpleNamespace(id=device), gpu

@@ -14,7 +14,9 @@ that event is done, and allocates another block rather than wait.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -89,9 +91,24 @@ class PinnedBlock:
                 # Freeing memory a copy still uses would corrupt it; wait for the copy.
                 self.pending.synchronize()
             free(self.ptr)
-        except Exception:
-            # At interpreter exit CUDA may already be torn down; the OS reclaims the memory.
-            pass
+        except Exception as exc:
+            _warn_not_freed(self.nbytes, exc)
+
+
+def _warn_not_freed(nbytes: int, exc: BaseException) -> None:
+    """Say that a pinned block could not be freed (a CUDA error must not pass unseen)."""
+    if sys.is_finalizing():
+        # At interpreter exit CUDA may already be torn down; the OS reclaims the memory.
+        return
+    try:
+        warnings.warn(
+            f"a pinned staging block of {nbytes} bytes could not be freed and is leaked: "
+            f"{type(exc).__name__}: {exc} (an earlier CUDA error may have left the device unusable)",
+            ResourceWarning,
+            stacklevel=3,
+        )
+    except Exception:  # a finalizer must not raise, and nothing else can report it
+        pass
 
 
 class PinnedBuffer:

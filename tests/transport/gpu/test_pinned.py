@@ -194,3 +194,31 @@ def test_clear_frees_cached_blocks(pool, memory):
     pool.clear()
     assert pool.cached_bytes == 0
     assert memory.freed == [4096]
+
+
+class FailingEvent(Event):
+    """A CUDA event whose wait fails (a kernel fault left the device unusable)."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+
+def test_a_block_that_cannot_be_freed_warns_instead_of_passing_silently(pool, memory):
+    big = pool.empty((128 << 10,), np.uint8)
+    big.release(FailingEvent())
+    with pytest.warns(ResourceWarning, match="131072 bytes could not be freed.*cudaErrorIllegalAddress"):
+        del big
+        gc.collect()
+    assert memory.freed == [], "memory a copy may still use is not freed"
+
+
+def test_a_failing_free_warns(memory):
+    def broken_free(ptr: int) -> None:
+        raise RuntimeError("cudaErrorCudartUnloading")
+
+    pool = PinnedPool(lambda n: (memory(n)[0], broken_free), max_cached_bytes=0)
+    buffer = pool.empty((16,), np.uint8)
+    with pytest.warns(ResourceWarning, match="cudaErrorCudartUnloading"):
+        buffer.release()
+        del buffer
+        gc.collect()
