@@ -53,7 +53,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.engine import Group, Op
 from .._transport.base import PrivateCopy, ReduceCall
-from .._transport.gpu.cuda_aware import CudaAwareness, detect
+from .._transport.gpu.cuda_aware import NONBLOCKING, CudaAwareness, detect
 from .._transport.gpu.pinned import PinnedBuffer, pinned_pool
 from .._transport.select import SHARED_MEMORY
 from .common import CollectiveTensor, Input, check_record, start
@@ -112,13 +112,14 @@ def cuda_awareness(ctx: DistributedContext) -> CudaAwareness:
 
 
 def data_path(ctx: DistributedContext) -> str:
-    """How this rank's GPU tensors reach MPI: ``"cuda-aware"`` or ``"staged"``.
+    """How this rank's GPU tensors reach MPI: ``"cuda-aware"``, ``"staged"``, or in which calls.
 
     Args:
         ctx: an open context.
 
     Returns:
-        ``"cuda-aware"`` when device buffers go to MPI directly, else ``"staged"``.
+        ``"cuda-aware"`` when device buffers go to MPI in every kind of call, ``"staged"``
+        when in none, else e.g. ``"cuda-aware p2p,blocking"`` (see `CudaAwareness.path`).
     """
     return cuda_awareness(ctx).path
 
@@ -128,7 +129,7 @@ def data_path_name(ctx: DistributedContext) -> str:
     return data_path(ctx)
 
 
-def device_buffers_ok(ctx: DistributedContext, mpi_op: Any = None) -> bool:
+def device_buffers_ok(ctx: DistributedContext, mpi_op: Any = None, operation: str = NONBLOCKING) -> bool:
     """Whether an operation may hand device buffers to MPI.
 
     Args:
@@ -136,11 +137,14 @@ def device_buffers_ok(ctx: DistributedContext, mpi_op: Any = None) -> bool:
         mpi_op: the reduction's MPI op, or None for data movement. A user-defined op
             (complex MAX/MIN, bfloat16) is NumPy code that MPI calls on the buffers, so it
             can only run on host memory.
+        operation: the kind of MPI call (`cuda_aware.OPERATIONS`): mpitensor's collectives
+            post non-blocking ones.
 
     Returns:
-        True on the cuda-aware path for movement and predefined ops; False means stage.
+        True where this MPI takes device buffers in that kind of call (see
+        `cuda_aware.vendor_scope`) and the op is predefined; False means stage.
     """
-    if not cuda_awareness(ctx).aware:
+    if not cuda_awareness(ctx).takes(operation):
         return False
     return mpi_op is None or bool(mpi_op.is_predefined)
 

@@ -92,8 +92,10 @@ class DistributedConfig:
             to spare beyond one per rank, or the ranks compute on GPUs.
         device: force the kind of device every rank uses, ``"cpu"`` or ``"cuda"``;
             ``None`` picks CUDA when GPUs are visible and CuPy is installed.
-        cuda_aware: declare whether MPI accepts GPU buffers; ``None`` detects it (and
-            honours ``MPITENSOR_CUDA_AWARE=0|1``).
+        cuda_aware: declare whether MPI accepts GPU buffers: True in the calls the MPI
+            documents (Open MPI: point-to-point and blocking collectives), ``"all"`` in
+            every call, False in none; ``None`` detects it (and honours
+            ``MPITENSOR_CUDA_AWARE=0|1|all``).
         shared_memory: use the shared-memory all-reduce among the ranks of a node for
             large messages; ``None`` decides by size and topology.
         fail_fast: while a context is open, an exception that escapes on any rank prints
@@ -110,7 +112,7 @@ class DistributedConfig:
     bucket_bytes: int = 25 * _MIB
     progress: bool | None = None
     device: Literal["cpu", "cuda"] | None = None
-    cuda_aware: bool | None = None
+    cuda_aware: bool | Literal["all"] | None = None
     shared_memory: bool | None = None
     fail_fast: bool = True
 
@@ -124,6 +126,8 @@ class DistributedConfig:
             raise ValueError(f"bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or None, got {self.device!r}")
+        if not (self.cuda_aware is None or isinstance(self.cuda_aware, bool) or self.cuda_aware == "all"):
+            raise ValueError(f"cuda_aware must be True, False, 'all' or None, got {self.cuda_aware!r}")
 
     def resolved_timeout(self) -> float | None:
         """The timeout in force: `timeout`, else ``MPITENSOR_TIMEOUT``, else ``None``.

@@ -13,7 +13,19 @@ import pytest
 import mpitensor as mt
 from mpitensor._core.mpi import MPI
 from mpitensor._transport.gpu import cuda_aware as _cuda_aware
-from mpitensor._transport.gpu.cuda_aware import LibraryAnswer, decide, detect, kinds_support_cuda, parse_override
+from mpitensor._transport.gpu.cuda_aware import (
+    BLOCKING,
+    DOCUMENTED,
+    EVERY,
+    NONBLOCKING,
+    P2P,
+    LibraryAnswer,
+    decide,
+    detect,
+    kinds_support_cuda,
+    parse_override,
+    vendor_scope,
+)
 
 YES = LibraryAnswer(True, "MPIX_Query_cuda_support() in libmpi.so.40 returned 1")
 NO = LibraryAnswer(False, "MPIX_Query_cuda_support() in libmpi.so.40 returned 0")
@@ -26,18 +38,19 @@ UNKNOWN = LibraryAnswer(None, "the MPI library has no MPIX CUDA query")
         (None, None), ("", None), ("auto", None), (" detect ", None),
         ("1", True), ("true", True), ("YES", True), ("on", True),
         ("0", False), ("false", False), ("No", False), (" off ", False),
+        ("all", "all"), (" ALL ", "all"),
     ],
 )
 def test_parse_override(raw, expected):
-    assert parse_override(raw) is expected
+    assert parse_override(raw) == expected and type(parse_override(raw)) is type(expected)
 
 
 def test_parse_override_rejects_other_values():
     with pytest.raises(ValueError) as info:
         parse_override("maybe")
     assert str(info.value) == (
-        "MPITENSOR_CUDA_AWARE must be 1 (MPI takes CUDA buffers), 0 (stage them through host "
-        "memory) or auto (detect), got 'maybe'"
+        "MPITENSOR_CUDA_AWARE must be 1 (MPI takes CUDA buffers where it documents them), all (in "
+        "every call), 0 (stage them through host memory) or auto (detect), got 'maybe'"
     )
 
 
@@ -82,14 +95,65 @@ DECISIONS = [
 
 @pytest.mark.parametrize(("declared", "override", "library", "kinds", "aware", "source"), DECISIONS)
 def test_decision_table(declared, override, library, kinds, aware, source):
-    decision = decide(declared, override, library, kinds)
+    decision = decide(declared, override, library, kinds, "MPICH")
     assert (decision.aware, decision.source) == (aware, source)
     assert decision.path == ("cuda-aware" if aware else "staged")
+
+
+# Which kinds of call take device buffers: vendor, declared, override, library, kinds -> scope.
+NOTHING: frozenset[str] = frozenset()
+SCOPES = [
+    # Open MPI documents point-to-point and blocking collectives; non-blocking collectives
+    # depend on the build, so only "all" gives them device buffers.
+    ("Open MPI", None, None, YES, None, DOCUMENTED),
+    ("Open MPI", None, None, YES, "cuda", DOCUMENTED),
+    ("Open MPI", True, None, None, None, DOCUMENTED),
+    ("Open MPI", None, True, NO, None, DOCUMENTED),
+    ("Open MPI", "all", None, NO, None, EVERY),
+    ("Open MPI", None, "all", YES, None, EVERY),
+    ("Open MPI", False, "all", YES, None, NOTHING),
+    ("Open MPI", None, None, NO, "cuda", NOTHING),
+    # MPICH's GPU support covers every operation.
+    ("MPICH", None, None, YES, None, EVERY),
+    ("MPICH", True, None, None, None, EVERY),
+    ("MPICH", None, None, NO, None, NOTHING),
+    # MPI 4.1's memory kinds hold for every operation.
+    ("Open MPI", None, None, UNKNOWN, "mpi,cuda:device", EVERY),
+    # Any other MPI: what Open MPI documents, unless declared "all".
+    ("Intel(R) MPI", None, None, YES, None, DOCUMENTED),
+    ("", None, True, None, None, DOCUMENTED),
+    ("", None, "all", None, None, EVERY),
+    ("", None, None, UNKNOWN, None, NOTHING),
+]
+
+
+@pytest.mark.parametrize(("vendor", "declared", "override", "library", "kinds", "scope"), SCOPES)
+def test_which_calls_take_device_buffers(vendor, declared, override, library, kinds, scope):
+    decision = decide(declared, override, library, kinds, vendor)
+    assert decision.scope == scope
+    assert decision.aware == bool(scope)
+    for operation in (P2P, BLOCKING, NONBLOCKING):
+        assert decision.takes(operation) == (operation in scope)
+
+
+def test_the_path_names_the_calls_when_not_all_take_device_buffers():
+    assert decide(None, None, YES, None, "Open MPI").path == "cuda-aware p2p,blocking"
+    assert decide(None, "all", None, None, "Open MPI").path == "cuda-aware"
+    assert decide(None, 0, None, None, "Open MPI").path == "staged"
+    assert vendor_scope("MPICH") == EVERY and vendor_scope("Open MPI") == vendor_scope("other") == DOCUMENTED
+
+
+def test_config_rejects_other_declarations():
+    assert mt.DistributedConfig(cuda_aware="all").cuda_aware == "all"
+    with pytest.raises(ValueError, match="cuda_aware must be True, False, 'all' or None, got 'yes'"):
+        mt.DistributedConfig(cuda_aware="yes")
 
 
 def test_decision_details_say_why():
     assert decide(True, None, None, None).detail == "DistributedConfig(cuda_aware=True)"
     assert decide(None, False, None, None).detail == "MPITENSOR_CUDA_AWARE=0"
+    assert decide(None, "all", None, None).detail == "MPITENSOR_CUDA_AWARE=all"
+    assert decide("all", None, None, None).detail == "DistributedConfig(cuda_aware='all')"
     assert decide(None, None, NO, None).detail == NO.detail
     assert decide(None, None, UNKNOWN, "mpi,cuda").detail == (
         "mpi_memory_alloc_kinds='mpi,cuda' lists CUDA device memory"
@@ -146,10 +210,12 @@ def test_detection_follows_the_table_on_this_mpi(ctx, monkeypatch):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize(("raw", "path"), [("1", "cuda-aware"), ("0", "staged")])
+@pytest.mark.parametrize(("raw", "path"), [("1", None), ("all", "cuda-aware"), ("0", "staged")])
 def test_environment_override_sets_the_data_path(monkeypatch, raw, path):
     from mpitensor._collectives.gpu_staged import data_path, data_path_name
 
+    if path is None:
+        path = "cuda-aware" if MPI.get_vendor()[0] == "MPICH" else "cuda-aware p2p,blocking"
     monkeypatch.setenv("MPITENSOR_CUDA_AWARE", raw)
     with mt.DistributedContext.init() as ctx:
         assert data_path(ctx) == path
@@ -161,8 +227,11 @@ def test_config_beats_the_environment(monkeypatch):
     from mpitensor._collectives.gpu_staged import cuda_awareness, data_path
 
     monkeypatch.setenv("MPITENSOR_CUDA_AWARE", "0")
-    with mt.DistributedContext.init(config=mt.DistributedConfig(cuda_aware=True)) as ctx:
+    with mt.DistributedContext.init(config=mt.DistributedConfig(cuda_aware="all")) as ctx:
         assert data_path(ctx) == "cuda-aware"
+        assert cuda_awareness(ctx).detail == "DistributedConfig(cuda_aware='all')"
+    with mt.DistributedContext.init(config=mt.DistributedConfig(cuda_aware=True)) as ctx:
+        assert data_path(ctx).startswith("cuda-aware")
         assert cuda_awareness(ctx).detail == "DistributedConfig(cuda_aware=True)"
 
 
@@ -171,7 +240,7 @@ def test_user_defined_ops_never_get_device_buffers(monkeypatch):
     from mpitensor._collectives.gpu_staged import device_buffers_ok
     from mpitensor._core.dtypes import reduce_plan
 
-    monkeypatch.setenv("MPITENSOR_CUDA_AWARE", "1")
+    monkeypatch.setenv("MPITENSOR_CUDA_AWARE", "all")
     with mt.DistributedContext.init() as ctx:
         complex_max = reduce_plan(mt.ReduceOperation.MAX, np.dtype(np.complex64)).mpi_op
         assert not complex_max.is_predefined
@@ -182,3 +251,15 @@ def test_user_defined_ops_never_get_device_buffers(monkeypatch):
     with mt.DistributedContext.init() as ctx:
         assert not device_buffers_ok(ctx, MPI.SUM)
         assert not device_buffers_ok(ctx)
+
+
+@pytest.mark.mpi
+def test_a_declared_yes_covers_non_blocking_reductions_only_where_this_mpi_documents_them(monkeypatch):
+    from mpitensor._collectives.gpu_staged import device_buffers_ok
+
+    monkeypatch.setenv("MPITENSOR_CUDA_AWARE", "1")
+    with mt.DistributedContext.init() as ctx:
+        assert device_buffers_ok(ctx, MPI.SUM, P2P)
+        assert device_buffers_ok(ctx, MPI.SUM, BLOCKING)
+        # mpitensor's all_reduce posts MPI_Iallreduce: staged on Open MPI unless declared "all".
+        assert device_buffers_ok(ctx, MPI.SUM) == (MPI.get_vendor()[0] == "MPICH")
