@@ -22,13 +22,15 @@ on staged copies):
 
 1. At the call: ``call = gpu_call(array)``; allocate results with ``call.empty`` (on the
    caller's stream); ``ready = call.mark()`` after the last work the op depends on.
-2. cuda-aware (`device_buffers_ok`): in ``post()``, ``ready.synchronize()`` and hand the
-   CuPy arrays to MPI. In ``finish()``, device-side fix-ups go on the caller's stream
-   (``call.finish_on_device``).
-3. staged: ``staged = call.stage(send, after=ready)`` at the call; in ``post()``,
-   ``staged.wait()`` gives the host array for MPI; receive-only host buffers come from
-   `host_empty`. In ``finish()``, ``call.unstage(buffer, out)`` copies back (and
-   divides), makes the caller's stream wait for it, and returns the buffer to the pool.
+2. cuda-aware (`device_buffers_ok`): ``post()`` returns ``AfterEvent(ready, start)``,
+   which hands the CuPy arrays to MPI once ``ready`` is done (polled, never waited for:
+   the call returns at once). In ``finish()``, device-side fix-ups go on the caller's
+   stream (``call.finish_on_device``).
+3. staged: ``staged = call.stage(send, after=ready)`` at the call; ``post()`` returns
+   ``AfterEvent(staged.done, start)``, whose ``start`` gives ``staged.buffer.array`` to
+   MPI; receive-only host buffers come from `host_empty`. In ``finish()``,
+   ``call.unstage(buffer, out)`` copies back (and divides), makes the caller's stream wait
+   for it, and returns the buffer to the pool.
 4. Every rank of a group must run the same algorithm: where ranks with host inputs could
    take another one (the shared-memory all-reduce), stage and offer it the host copy.
 """
@@ -53,6 +55,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.engine import Group, Op
 from .._transport.base import PrivateCopy, ReduceCall
+from .._transport.gpu.after_event import AfterEvent
 from .._transport.gpu.cuda_aware import NONBLOCKING, CudaAwareness, detect
 from .._transport.gpu.pinned import PinnedBuffer, pinned_pool
 from .._transport.select import SHARED_MEMORY
@@ -491,9 +494,9 @@ def _reduce_device_buffers(
     """cuda-aware: MPI reduces the device buffers once the work producing them is done."""
     comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
 
-    def post() -> list[Any]:
-        ready.synchronize()
-        return [comm.Iallreduce([send, datatype], [out, datatype], mpi_op)]
+    def post() -> AfterEvent:
+        # MPI knows no streams: it gets the device buffers once the work making them is done.
+        return AfterEvent(ready, lambda: [comm.Iallreduce([send, datatype], [out, datatype], mpi_op)])
 
     def finish() -> None:
         call.finish_on_device(out, divide_by=fix.divide_by, into=fix.into, decode=fix.decode)
@@ -509,11 +512,14 @@ def _reduce_staged(call: GpuCall, group: Group, plan: ReducePlan, staged: Staged
     """
     comm, datatype, mpi_op, codec = group.comm, plan.datatype, plan.mpi_op, plan.codec
 
-    def post() -> list[Any]:
-        host = staged.wait()
+    def start_reduction() -> list[Any]:
+        host = staged.buffer.array  # the copy into it is done
         if codec is not None:
             codec.encode(host, host)
         return [comm.Iallreduce(MPI.IN_PLACE, [host, datatype], mpi_op)]
+
+    def post() -> AfterEvent:
+        return AfterEvent(staged.done, start_reduction)
 
     def finish() -> None:
         call.unstage(staged.buffer, out, divide_by=fix.divide_by, into=fix.into, decode=fix.decode)
@@ -524,9 +530,8 @@ def _reduce_staged(call: GpuCall, group: Group, plan: ReducePlan, staged: Staged
 def _reduce_staged_shared(call: GpuCall, host_call: ReduceCall, staged: Staged, out: Any, fix: _FixUp) -> _Steps:
     """staged, through the shared-memory all-reduce (the result comes from its memory)."""
 
-    def post() -> Any:
-        staged.wait()
-        return SHARED_MEMORY.start(host_call)
+    def post() -> AfterEvent:
+        return AfterEvent(staged.done, lambda: SHARED_MEMORY.start(host_call))
 
     def finish() -> None:
         call.unstage(host_call.out, out, divide_by=fix.divide_by, into=fix.into)

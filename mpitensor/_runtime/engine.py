@@ -84,7 +84,9 @@ class Group:
             interleave with the checks of later calls).
     """
 
-    __slots__ = ("check_comm", "check_seq", "comm", "detail_comm", "extra", "members", "queue", "rank", "size")
+    __slots__ = (
+        "check_comm", "check_seq", "comm", "detail_comm", "extra", "holder", "members", "queue", "rank", "size",
+    )
 
     def __init__(self, members: tuple[int, ...], comm: Any, check_comm: Any, detail_comm: Any = None) -> None:
         self.members = members
@@ -96,6 +98,9 @@ class Group:
         self.queue: deque[Op] = deque()
         self.check_seq = 0  # checks posted on check_comm so far
         self.extra: dict[str, Any] = {}  # per-group caches of the fast paths
+        # A posted op's stepper that has not yet posted its MPI operations (``holding``):
+        # no later op's data goes on `comm` before it does.
+        self.holder: Any = None
 
     def describe(self) -> str:
         """The members as text, e.g. ``[0, 1, 2]``."""
@@ -242,7 +247,7 @@ class Engine:
             ctx.ensure_usable()
         group = op.group
         with self.lock:
-            direct = op.record is None and not group.queue
+            direct = op.record is None and not group.queue and (group.holder is None or not self._held(group))
             if direct:
                 self._post_data(op)  # a failure to post is raised by resolve()
             else:
@@ -405,6 +410,8 @@ class Engine:
         else:
             op.stepper = started
             self.stepping += 1
+            if getattr(started, "holding", False):
+                op.group.holder = started
         if op.requests or op.stepper is not None:
             op.state = POSTED
             self.posted.append(op)
@@ -426,11 +433,29 @@ class Engine:
             head = queue[0]
             if head.state == CHECKING and not self._advance_check(head):
                 break
+            if head.state == QUEUED and self._held(group):
+                self._advance_checks_behind(queue)
+                break
             queue.popleft()
             if head.state == QUEUED:
                 self._post_data(head)
         if not queue:
             self.waiting_groups.discard(group)
+
+    @staticmethod
+    def _held(group: Group) -> bool:
+        """Whether an op of `group` waits to post its MPI operations (a GPU input in the making)."""
+        holder = group.holder
+        if holder is not None and holder.holding:
+            return True
+        group.holder = None
+        return False
+
+    def _advance_checks_behind(self, queue: deque[Op]) -> None:
+        """Advance the checks of the ops queued behind a held one, in call order (their data waits)."""
+        for op in list(queue)[1:]:
+            if op.state == CHECKING and not self._advance_check(op):
+                return
 
     # -- progress and completion ---------------------------------------------------------
 

@@ -19,7 +19,13 @@ __all__ = ["Channel", "Host", "PrivateCopy", "ReduceCall", "Stepper", "Transport
 
 
 class Stepper(Protocol):
-    """An algorithm the engine drives in steps instead of waiting on MPI requests."""
+    """An algorithm the engine drives in steps instead of waiting on MPI requests.
+
+    A stepper may also have a ``holding`` attribute: while it is True, the stepper has not
+    yet posted its MPI operations (it waits for its input, as `gpu.after_event.AfterEvent`
+    does), and the engine posts no later operation's data on the same group until it is
+    False, so that every rank posts on the group's communicator in the same order.
+    """
 
     def advance(self) -> bool:
         """Do whatever can be done now without blocking; True once finished."""

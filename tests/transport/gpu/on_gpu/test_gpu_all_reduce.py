@@ -94,6 +94,23 @@ def test_input_produced_late_on_a_side_stream_is_what_gets_reduced(gpu_ctx, cp):
     assert total == float(sum(r + 1 for r in range(ctx.size)) * (1 << 20))
 
 
+def test_the_call_returns_before_earlier_gpu_work_completes(gpu_ctx, cp):
+    ctx = gpu_ctx
+    stream = cp.cuda.get_current_stream()
+    x = cp.zeros(1 << 20, cp.float32)
+    spin(cp, 1.0)  # earlier GPU work: the input is written only after it
+    x.fill(ctx.rank + 1)
+    before = cp.cuda.Event()
+    before.record(stream)
+    start = time.monotonic()
+    pending = mt.all_reduce(x)
+    took = time.monotonic() - start
+    assert not before.done, "the call waited for the GPU work queued before it"
+    assert took < 0.5, f"the call took {took:.2f} s: it waited for earlier GPU work"
+    total = float(pending.resolve(timeout=60).sum().item())
+    assert total == float(sum(r + 1 for r in range(ctx.size)) * (1 << 20))
+
+
 def test_the_result_is_ordered_on_the_caller_stream(gpu_ctx, cp):
     ctx = gpu_ctx
     stream = cp.cuda.Stream(non_blocking=True)
@@ -207,8 +224,8 @@ def test_ranks_that_disagree_get_a_clear_error(gpu_ctx):
 
 def test_the_cuda_aware_path(gpu_ctx, cp):
     decision = cuda_awareness(gpu_ctx)
-    if not decision.aware:
-        pytest.skip(f"MPI is not CUDA-aware here: {decision.detail}")
+    if not decision.takes("nonblocking"):
+        pytest.skip(f"MPI takes no device buffers in non-blocking collectives here: {decision.path}, {decision.detail}")
     ctx = gpu_ctx
     x = mt.full((1 << 16,), ctx.rank + 1.0, dtype=np.float32, device=ctx.device)
     result = mt.all_reduce(x, OP.MEAN).resolve()
