@@ -10,7 +10,7 @@ so unpacking copies nothing.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -24,6 +24,7 @@ from .._core.tensor import Tensor, wrap_array
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
+from .._transport.gpu.after_event import AfterEvent
 from .common import PLAIN_DTYPES, CollectiveTensor, check_record, follow, start, take_input
 
 __all__ = ["Bucket", "fused_all_reduce", "plan_buckets", "start_buckets", "structure_hash"]
@@ -256,6 +257,36 @@ def _start_fused(
     return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes, rounding)
 
 
+def _bucket_post(
+    comm: Any, buckets: Sequence[Bucket], sends: Sequence[np.ndarray], recvs: Sequence[np.ndarray], ready: Any
+) -> Callable[[], list[Any] | AfterEvent]:
+    """The op's ``post``: one ``MPI_Iallreduce`` per bucket, once `ready` (if any) is done.
+
+    MAX/MIN keys of floats are encoded now when the sends are filled, else when posting.
+    """
+
+    def encode() -> None:
+        for bucket, send in zip(buckets, sends):
+            if bucket.plan.codec is not None:
+                bucket.plan.codec.encode(send, send)
+
+    def requests() -> list[Any]:
+        return [
+            comm.Iallreduce([send, b.plan.datatype], [out, b.plan.datatype], b.plan.mpi_op)
+            for b, send, out in zip(buckets, sends, recvs)
+        ]
+
+    if ready is None:
+        encode()
+        return requests
+
+    def encode_and_post() -> list[Any]:
+        encode()
+        return requests()
+
+    return lambda: AfterEvent(ready, encode_and_post)
+
+
 def start_buckets(
     ctx: DistributedContext,
     group: Group,
@@ -266,6 +297,7 @@ def start_buckets(
     record: Record,
     nbytes: int,
     rounding: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+    ready: Any = None,
 ) -> CollectiveTensor:
     """All-reduce packed buckets as one op: one ``MPI_Iallreduce`` per bucket.
 
@@ -282,20 +314,15 @@ def start_buckets(
         record: what this rank says about the call, for the check.
         nbytes: the bytes of all the tensors, for messages.
         rounding: (float32 view, half-precision result) pairs to round back at the end.
+        ready: an event (``done``) after which `sends` are filled (GPU gradients copied
+            into them asynchronously), or None when they are filled already. MPI gets
+            them only once it is done; the call does not wait for it.
 
     Returns:
         The handle resolving to `result`.
     """
-    comm, size = group.comm, group.size
-    for bucket, send in zip(buckets, sends):
-        if bucket.plan.codec is not None:
-            bucket.plan.codec.encode(send, send)
-
-    def post() -> list[Any]:
-        return [
-            comm.Iallreduce([send, b.plan.datatype], [out, b.plan.datatype], b.plan.mpi_op)
-            for b, send, out in zip(buckets, sends, recvs)
-        ]
+    size = group.size
+    post = _bucket_post(group.comm, buckets, sends, recvs, ready)
 
     def finish() -> Any:
         for bucket, out in zip(buckets, recvs):

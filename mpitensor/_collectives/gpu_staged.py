@@ -283,6 +283,33 @@ class GpuCall:
         buffer.after(done)
         return Staged(buffer, done)
 
+    def copy_to_host(self, array: Any, host: np.ndarray, *, after: Any = None) -> Any:
+        """Copy a C-contiguous device array into pinned host memory, asynchronously.
+
+        Args:
+            array: the device array (on the call's device).
+            host: a C-contiguous array over pinned memory, of the same number of bytes
+                (a slice of a `PinnedBuffer`'s array).
+            after: an event the copy waits for (`mark()`); None copies at once.
+
+        Returns:
+            The event recorded on the copy stream after the copy.
+
+        Raises:
+            ValueError: the sizes differ.
+        """
+        if array.nbytes != host.nbytes:
+            raise ValueError(f"copy_to_host: device array has {array.nbytes} bytes, host array {host.nbytes}")
+        runtime = self.cupy.cuda.runtime
+        with self.scope():
+            if after is not None:
+                self.copies.wait_event(after)
+            if array.nbytes:
+                runtime.memcpyAsync(
+                    host.ctypes.data, array.data.ptr, array.nbytes, runtime.memcpyDeviceToHost, self.copies.ptr
+                )
+            return self._event_on(self.copies)
+
     def unstage(
         self,
         host: PinnedBuffer | np.ndarray,

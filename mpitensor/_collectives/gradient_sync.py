@@ -22,6 +22,7 @@ from .._core.tensor import Tensor, wrap_array
 from .._runtime.context import DevicesArg
 from .common import CollectiveTensor, context_for, take_input, timeout_arg
 from .fused import plan_buckets, start_buckets, structure_hash
+from .gradient_gpu import GpuBuckets
 from .options import make_record, scale_factors, scale_options
 
 __all__ = ["GradientSync"]
@@ -119,6 +120,7 @@ class GradientSync:
         self._submitted: set[str] = set()
         self._backs: dict[str, Any] = {}  # name -> converter back, for gradients of other libraries
         self._handles: list[CollectiveTensor | None] = [None] * len(self._buckets)
+        self._gpu: GpuBuckets | None = None  # this step's GPU gradients, if any
 
     @property
     def bucket_names(self) -> list[list[str]]:
@@ -133,7 +135,9 @@ class GradientSync:
     def submit(self, name: str, grad: Any) -> None:
         """Hand over one parameter's gradient; starts its bucket's all-reduce once full.
 
-        The gradient is copied, so its buffer may be reused at once.
+        The gradient is copied, so its buffer may be reused at once (a GPU gradient: by
+        work queued after this call on the stream current now). A GPU gradient is copied to
+        the host asynchronously: this call does not wait for the GPU.
 
         Args:
             name: the parameter's registered name.
@@ -158,12 +162,18 @@ class GradientSync:
         if source.buffer.dtype != dtype:
             raise TypeError(f"the gradient of {name!r} has dtype {source.buffer.dtype}, expected {dtype}")
         index, offset, size = self._where[name]
-        data = source.buffer.get() if source.on_gpu else source.buffer
-        target = self._sends[index][offset : offset + size]
-        np.copyto(target, data.reshape(-1), casting="unsafe")
         pre = self._factors[name][0]
-        if pre is not None:  # scaled in the bucket, never in the caller's gradient
-            np.multiply(target, pre, out=target, casting="unsafe")
+        if source.on_gpu:
+            # Copied asynchronously into a pinned bucket; its all-reduce waits for the copy.
+            if self._gpu is None:
+                self._gpu = GpuBuckets()
+            self._sends[index] = self._gpu.send(index, self._sends[index])
+            self._gpu.stage(self._ctx, name, index, source, self._sends[index][offset : offset + size], pre)
+        else:
+            target = self._sends[index][offset : offset + size]
+            np.copyto(target, source.buffer.reshape(-1), casting="unsafe")
+            if pre is not None:  # scaled in the bucket, never in the caller's gradient
+                np.multiply(target, pre, out=target, casting="unsafe")
         self._submitted.add(name)
         if source.back is not None:
             self._backs[name] = source.back
@@ -189,8 +199,9 @@ class GradientSync:
             views[name] = wrap_array(view, device)
         record = make_record(self._options, "gradient sync", self._op, None, (index, bucket.elements), -1,
                              self._group.members, extra=self._hashes[index])
+        ready = self._gpu.ready(index) if self._gpu is not None else None
         self._handles[index] = start_buckets(
-            self._ctx, self._group, [bucket], [self._sends[index]], [out], views, record, out.nbytes, rounding
+            self._ctx, self._group, [bucket], [self._sends[index]], [out], views, record, out.nbytes, rounding, ready
         )
 
     def wait(self, timeout: float | None = None) -> dict[str, Tensor]:
@@ -200,8 +211,9 @@ class GradientSync:
             timeout: seconds to wait at most for each bucket; None for the context's.
 
         Returns:
-            Parameter name to reduced gradient, in registration order (a torch tensor for a
-            gradient submitted as one, and so on).
+            Parameter name to reduced gradient, in registration order, on the device its
+            gradient came from (a GPU gradient's result is on its GPU, ordered on the stream
+            of its `submit`), and a torch tensor for a gradient submitted as one, and so on.
 
         Raises:
             RuntimeError: some gradients were not submitted in this step.
@@ -214,7 +226,7 @@ class GradientSync:
             )
         limit = timeout_arg(timeout, self._ctx)
         reduced: dict[str, Tensor] = {}
-        backs = self._backs
+        backs, gpu = self._backs, self._gpu
         try:
             for handle in self._handles:
                 assert handle is not None
@@ -225,6 +237,9 @@ class GradientSync:
             post = self._factors[name][1]
             if post is not None:
                 np.multiply(tensor.array, post, out=tensor.array, casting="unsafe")
+        if gpu is not None:  # every bucket is complete: results go to the GPUs they came from
+            reduced = {name: gpu.upload(name, t) if gpu.on_gpu(name) else t for name, t in reduced.items()}
+            gpu.release()
         if backs:
             return {name: backs[name](reduced[name]) if name in backs else reduced[name] for name in self._specs}
         return {name: reduced[name] for name in self._specs}

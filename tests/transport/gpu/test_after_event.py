@@ -121,3 +121,17 @@ def test_later_calls_return_at_once_and_post_after_the_held_one(check):
         assert data.tolist() == [sum(r + 1.0 for r in range(size))] * 8
         for k, result in enumerate(results):
             assert result.tolist() == [sum(10.0 * (r + 1) + k for r in range(size))] * 8
+
+
+def test_a_bucket_is_ready_once_every_copy_into_it_is_done():
+    from mpitensor._collectives.gradient_gpu import AllDone
+
+    copies = [Event(), Event(), Event()]
+    ready = AllDone(copies)
+    copies[2].finish()
+    assert not ready.done
+    copies[0].finish()
+    assert not ready.done
+    copies[1].finish()
+    assert ready.done and ready.done
+    assert AllDone([]).done

@@ -95,3 +95,30 @@ def test_a_staged_result_is_ordered_on_the_caller_stream(gpu_module_ctx, cp):
     handle = mt.broadcast(mt.ones(3, dtype=np.float32), root=0)
     again = handle.resolve()
     assert handle.resolve() is again
+
+
+def test_gradient_sync_keeps_gpu_gradients_on_the_gpu_and_does_not_wait_at_submit(gpu_ctx, cp):
+    import time
+
+    from tests.transport.gpu.on_gpu.conftest import spin
+
+    ctx = gpu_ctx
+    params = {"w": ((64, 32), np.float32), "b": ((32,), np.float16), "h": ((8,), np.float64)}
+    sync = mt.GradientSync(params, op=OP.MEAN, bucket_bytes=1 << 20, postscale_factor=2.0)
+    w = cp.zeros((64, 32), cp.float32)
+    spin(cp, 1.0)  # earlier GPU work: the gradient is written only after it
+    w.fill(ctx.rank + 1)
+    start = time.monotonic()
+    sync.submit("w", w)
+    sync.submit("b", cp.full(32, ctx.rank + 1, cp.float16))
+    sync.submit("h", np.full(8, ctx.rank + 1.0))  # a host gradient in the same bucket
+    took = time.monotonic() - start
+    assert took < 0.5, f"submit took {took:.2f} s: it waited for the GPU"
+    w.fill(-100)  # the caller may reuse its gradient at once
+    mean = 2.0 * sum(r + 1.0 for r in range(ctx.size)) / ctx.size
+    result = sync.wait(timeout=60)
+    np.testing.assert_array_equal(on_gpu(result["w"], ctx, cp), np.full((64, 32), mean, np.float32))
+    assert result["b"].dtype == np.float16
+    np.testing.assert_array_equal(on_gpu(result["b"], ctx, cp), np.full(32, mean, np.float16))
+    assert isinstance(result["h"].array, np.ndarray)
+    np.testing.assert_array_equal(result["h"].numpy(), np.full(8, mean))
