@@ -1,4 +1,4 @@
-"""prescale_factor / postscale_factor on reduce, reduce_scatter and GradientSync (Horovod's semantics)."""
+"""prescale_factor / postscale_factor on all_reduce, reduce, reduce_scatter and GradientSync (Horovod's semantics)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _expected(op, arrays, pre, post):
 
 @every_rank_settings(40)
 @given(
-    kind=st.sampled_from(["reduce", "reduce_scatter"]),
+    kind=st.sampled_from(["all_reduce", "reduce", "reduce_scatter"]),
     dtype=st.sampled_from(NUMBERS),
     op=st.sampled_from([OP.SUM, OP.MEAN, OP.MAX, OP.MIN]),
     draws=st.tuples(st.integers(0, 2), st.integers(0, 2)),
@@ -53,7 +53,10 @@ def test_factors_match_numpy(module_ctx, kind, dtype, op, draws, group_kind, see
     mine = inputs[ctx.rank]
     before = mine.copy()
     expected = _expected(op, [inputs[r] for r in members], pre, post)
-    if kind == "reduce":
+    if kind == "all_reduce":
+        got = mt.all_reduce(mine, op, devices=members, prescale_factor=pre, postscale_factor=post).resolve()
+        ok = close(got, expected, op, n, pre * post)
+    elif kind == "reduce":
         root = members[seed % n]
         got = mt.reduce(mine, op, root=root, devices=members, prescale_factor=pre, postscale_factor=post).resolve()
         ok = got is None if ctx.rank != root else close(got, expected, op, n, pre * post)
@@ -86,7 +89,7 @@ def test_factor_one_is_free_and_agrees_with_none(ctx):
         (np.float64, {"prescale_factor": "2"}, "must be a number"),
     ],
 )
-@pytest.mark.parametrize("kind", ["reduce", "reduce_scatter"])
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce", "reduce_scatter"])
 def test_bad_factors(ctx, kind, dtype, factors, message):
     call = getattr(mt, kind)
     with pytest.raises(TypeError, match=message):
@@ -112,7 +115,7 @@ def test_gradient_sync_refuses_fractions_for_integers(ctx):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("kind", ["reduce", "reduce_scatter"])
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce", "reduce_scatter"])
 def test_different_factors_mismatch(ctx, kind):
     factor = 2.0 if ctx.rank == ctx.size - 1 else 3.0
     call = getattr(mt, kind)
@@ -138,4 +141,12 @@ def test_gradient_sync_factors_mismatch(ctx):
     with pytest.raises(mt.CollectiveMismatchError, match="postscale_factor"):
         sync.submit("w", np.ones(2))  # the bucket starts here: its check may fail here or in wait()
         sync.wait()
+    still_usable(ctx)
+
+
+def test_a_fused_all_reduce_refuses_factors_and_out(ctx):
+    with pytest.raises(TypeError, match="prescale_factor= is not supported for a list"):
+        mt.all_reduce([np.ones(2), np.ones(3)], prescale_factor=2.0)
+    with pytest.raises(TypeError, match="out= is not supported for a list"):
+        mt.all_reduce({"a": np.ones(2)}, out=np.empty(2))
     still_usable(ctx)
