@@ -65,8 +65,9 @@ def all_reduce(
     """
     kind = type(input)
     if kind is not np.ndarray and kind is not Tensor and isinstance(input, (list, tuple, dict)):
-        refuse_structure(out, prescale_factor, postscale_factor)
-        return fused_all_reduce(context_for("all_reduce"), input, op, devices)
+        refuse_structure(out)
+        return fused_all_reduce(context_for("all_reduce"), input, op, devices,
+                                factors=(prescale_factor, postscale_factor))
     ctx, source, group = _take(input, devices)
     if source.back is not None:  # another library's tensor: reduce its array, give the result back
         handle = all_reduce(source.buffer, op, devices, out=out, prescale_factor=prescale_factor,

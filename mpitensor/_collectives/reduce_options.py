@@ -74,15 +74,14 @@ def all_reduce_with_options(ctx: DistributedContext, source: Input, group: Group
     return start(ctx, collective, result)
 
 
-def refuse_structure(out: Any, prescale_factor: Any, postscale_factor: Any) -> None:
-    """Raise for options a fused all-reduce (a list, tuple or dict) does not take.
+def refuse_structure(out: Any) -> None:
+    """Raise for ``out=`` on a fused all-reduce (a list, tuple or dict): it has no one buffer.
 
     Raises:
-        TypeError: naming the first option given.
+        TypeError: `out` is given.
     """
-    for name, value in (("out", out), ("prescale_factor", prescale_factor), ("postscale_factor", postscale_factor)):
-        if value is not None:
-            raise TypeError(
-                f"all_reduce: {name}= is not supported for a list, tuple or dict of tensors; "
-                f"all-reduce them one by one to use it, or scale the results yourself"
-            )
+    if out is not None:
+        raise TypeError(
+            "all_reduce: out= is not supported for a list, tuple or dict of tensors; "
+            "all-reduce them one by one to use it"
+        )

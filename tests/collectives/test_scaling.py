@@ -144,9 +144,42 @@ def test_gradient_sync_factors_mismatch(ctx):
     still_usable(ctx)
 
 
-def test_a_fused_all_reduce_refuses_factors_and_out(ctx):
-    with pytest.raises(TypeError, match="prescale_factor= is not supported for a list"):
-        mt.all_reduce([np.ones(2), np.ones(3)], prescale_factor=2.0)
+def test_a_fused_all_reduce_refuses_out(ctx):
     with pytest.raises(TypeError, match="out= is not supported for a list"):
         mt.all_reduce({"a": np.ones(2)}, out=np.empty(2))
+    still_usable(ctx)
+
+
+@every_rank_settings(30)
+@given(
+    dtypes=st.lists(st.sampled_from(NUMBERS), min_size=1, max_size=4),
+    op=st.sampled_from([OP.SUM, OP.MEAN, OP.MAX, OP.MIN]),
+    draws=st.tuples(st.integers(0, 2), st.integers(0, 2)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fused_factors_match_numpy(module_ctx, dtypes, op, draws, seed):
+    ctx = module_ctx
+    if any(np.dtype(d).kind == "c" for d in dtypes) and op in (OP.MAX, OP.MIN):
+        op = OP.SUM
+    # Factors every dtype takes: integers as soon as one tensor is an integer one.
+    integral = any(np.dtype(d).kind in "iu" for d in dtypes)
+    choices = [1, 2, 3] if integral else [1.0, 0.5, 2.5]
+    pre, post = choices[draws[0]], choices[draws[1]]
+    inputs = {r: [rank_input(seed + i, r, (3, 2), d) for i, d in enumerate(dtypes)] for r in range(ctx.size)}
+    mine = inputs[ctx.rank]
+    before = [a.copy() for a in mine]
+    got = mt.all_reduce(mine, op, prescale_factor=pre, postscale_factor=post).resolve()
+    ok = all(
+        close(g, _expected(op, [inputs[r][i] for r in range(ctx.size)], pre, post), op, ctx.size, pre * post)
+        for i, g in enumerate(got)
+    )
+    ok = ok and all(np.array_equal(a, b) for a, b in zip(mine, before))
+    agree(ok, f"fused {[np.dtype(d).name for d in dtypes]} {op.name} pre={pre} post={post}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fused_factors_mismatch(ctx):
+    factor = 2.0 if ctx.rank == 0 else 4.0
+    expect_mismatch(lambda: mt.all_reduce([np.ones(2), np.ones(3)], "sum", prescale_factor=factor),
+                    "options", "prescale_factor")
     still_usable(ctx)
