@@ -21,11 +21,21 @@ from .._transport.select import ALL_REDUCE
 from .common import PLAIN_DTYPES, CollectiveTensor, Input, context_for, follow, result_device, take_input
 from .fused import fused_all_reduce
 from .gpu_staged import gpu_all_reduce
+from .options import refuse_on_gpu
+from .reduce_options import all_reduce_with_options, refuse_structure
 
 __all__ = ["SMALL_BYTES", "all_reduce"]
 
 
-def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: DevicesArg = None) -> CollectiveTensor:  # noqa: A002 - the seed's name
+def all_reduce(
+    input: Any,  # noqa: A002 - the seed's name
+    op: ReduceOperation | str | None = None,
+    devices: DevicesArg = None,
+    *,
+    out: Any = None,
+    prescale_factor: Any = None,
+    postscale_factor: Any = None,
+) -> CollectiveTensor:
     """Start an all-reduce (``MPI_Iallreduce``) and return at once.
 
     Every rank of the group gets the element-wise reduction of all the ranks' tensors, in
@@ -40,6 +50,9 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
             integers gives float64.
         devices: the group (devices from ``ctx.devices``, or their ranks); None for every
             rank of the context.
+        out: a host Tensor or NumPy array to write the result into (not for a list).
+        prescale_factor, postscale_factor: multiply each rank's input before, and the
+            result after, the reduction (Horovod's semantics; integers take integer factors).
 
     Returns:
         A `CollectiveTensor`; its `resolve()` gives the result.
@@ -52,19 +65,25 @@ def all_reduce(input: Any, op: ReduceOperation | str | None = None, devices: Dev
     """
     kind = type(input)
     if kind is not np.ndarray and kind is not Tensor and isinstance(input, (list, tuple, dict)):
-        return fused_all_reduce(context_for("all_reduce"), input, op, devices)
+        refuse_structure(out)
+        return fused_all_reduce(context_for("all_reduce"), input, op, devices,
+                                factors=(prescale_factor, postscale_factor))
     ctx, source, group = _take(input, devices)
     if source.back is not None:  # another library's tensor: reduce its array, give the result back
-        return follow(all_reduce(source.buffer, op, devices), source.back)
+        handle = all_reduce(source.buffer, op, devices, out=out, prescale_factor=prescale_factor,
+                            postscale_factor=postscale_factor)
+        return follow(handle, source.back)
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     if source.on_gpu:
+        refuse_on_gpu("all_reduce", out=out, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
         return gpu_all_reduce(ctx, source, reduce_op, group)
+    if out is not None or prescale_factor is not None or postscale_factor is not None:
+        return all_reduce_with_options(ctx, source, group, reduce_op, out, (prescale_factor, postscale_factor))
     call = ReduceCall(ctx, group, source, reduce_plan(reduce_op, source.buffer.dtype), source.array.nbytes)
     select(ALL_REDUCE, call).prepare(call)
     array = source.array
-    record = None
-    if ctx.config.check and group.size > 1:
-        record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members)
+    checked = ctx.config.check and group.size > 1
+    record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members) if checked else None
     collective = Op("all_reduce", group, call.nbytes, call.start, _finish(call), record, (call,), call.protections)
     ctx.engine.submit(collective)
     return CollectiveTensor(collective, wrap_array(call.final, result_device(ctx, source)), ctx)

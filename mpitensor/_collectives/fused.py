@@ -26,6 +26,7 @@ from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
 from .._transport.gpu.after_event import AfterEvent
 from .common import PLAIN_DTYPES, CollectiveTensor, check_record, follow, start, take_input
+from .options import make_record, refuse_on_gpu, scale_factors, scale_options
 
 __all__ = ["Bucket", "fused_all_reduce", "plan_buckets", "start_buckets", "structure_hash"]
 
@@ -136,6 +137,7 @@ def fused_all_reduce(
     *,
     bucket_bytes: int | None = None,
     kind: str = "fused all_reduce",
+    factors: tuple[Any, Any] = (None, None),
 ) -> CollectiveTensor:
     """All-reduce a list, tuple or dict of tensors as one fused operation.
 
@@ -146,12 +148,14 @@ def fused_all_reduce(
         devices: the group; None for every rank of the context.
         bucket_bytes: the bucket size; None for ``ctx.config.bucket_bytes``.
         kind: the operation's name in messages and in the check.
+        factors: (prescale_factor, postscale_factor), applied to each packed bucket.
 
     Returns:
         A `CollectiveTensor` resolving to the same structure of result tensors.
 
     Raises:
-        TypeError: a leaf is not a tensor/array, or a CUDA tensor.
+        TypeError: a leaf is not a tensor/array, or a CUDA tensor; a factor that does not
+            suit a leaf's dtype.
     """
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     group = ctx.group(devices, kind)
@@ -167,14 +171,16 @@ def fused_all_reduce(
         if any(item.on_gpu for item in inputs):
             from .gpu_staged import gpu_fused_all_reduce
 
+            refuse_on_gpu("all_reduce", prescale_factor=factors[0], postscale_factor=factors[1])
             arrays = _rebuild(structure, keys, [item.buffer for item in inputs])
             handle = gpu_fused_all_reduce(ctx, arrays, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
             return follow(handle, back)
         buffers = [item.buffer for item in inputs]  # contiguous, of the input's shape
         devices_out = [item.tensor.device if item.tensor is not None else ctx.cpu_device for item in inputs]
-        handle = _start_fused(ctx, group, structure, keys, buffers, devices_out, reduce_op, bucket_bytes, kind)
+        handle = _start_fused(ctx, group, structure, keys, buffers, devices_out, reduce_op, bucket_bytes, kind,
+                              factors)
         return follow(handle, back)
-    return _start_fused(ctx, group, structure, keys, buffers, devices_out, reduce_op, bucket_bytes, kind)
+    return _start_fused(ctx, group, structure, keys, buffers, devices_out, reduce_op, bucket_bytes, kind, factors)
 
 
 def _plain_host_leaves(values: list[Any], host: Any) -> tuple[list[np.ndarray], list[Any]] | None:
@@ -214,6 +220,7 @@ def _start_fused(
     reduce_op: ReduceOperation,
     bucket_bytes: int | None,
     kind: str,
+    factors: tuple[Any, Any] = (None, None),
 ) -> CollectiveTensor:
     # 256 gradients usually share one or two dtypes: one plan per dtype, not per tensor.
     by_dtype: dict[np.dtype, ReducePlan] = {}
@@ -250,25 +257,56 @@ def _start_fused(
     result = _rebuild(structure, keys, outputs)
     # Hashing the structure costs per tensor: only a checked call needs it.
     checked = ctx.config.check and group.size > 1
-    record = Record(kind, reduce_op, None, (len(buffers), sum(sizes)), -1, group.members,
-                    extra=structure_hash(keys, buffers) if checked else 0)
+    scales, options = _bucket_scales(buckets, by_dtype, factors)
+    record = make_record(options, kind, reduce_op, None, (len(buffers), sum(sizes)), -1, group.members,
+                         extra=structure_hash(keys, buffers) if checked else 0)
     record.entries = partial(describe_entries, keys, buffers)
     nbytes = sum(buffer.nbytes for buffer in buffers)
-    return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes, rounding)
+    return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes, rounding, scales)
+
+
+def _bucket_scales(buckets: Sequence[Bucket], plans: dict[np.dtype, ReducePlan],
+                   factors: tuple[Any, Any]) -> tuple[list[tuple[Any, Any]] | None, tuple[tuple[str, Any], ...]]:
+    """Each bucket's (prescale, postscale), checked against every input dtype, and the check's options.
+
+    Both are empty (None, ()) without factors (or with factors of 1).
+
+    Raises:
+        TypeError: a factor that does not suit one of the inputs' dtypes.
+    """
+    if factors == (None, None):
+        return None, ()
+    # Every input dtype must take the factors; inputs sharing a bucket share its factors.
+    checked = {plan.work_dtype: scale_factors(*factors, dtype, "all_reduce") for dtype, plan in plans.items()}
+    first = next(iter(checked.values()), (None, None))
+    if first == (None, None):
+        return None, ()
+    return [checked[bucket.plan.work_dtype] for bucket in buckets], scale_options(*first)
+
+
+def _ready_sends(buckets: Sequence[Bucket], sends: Sequence[np.ndarray],
+                 scales: Sequence[tuple[Any, Any]] | None) -> None:
+    """Prescale and encode (MAX/MIN keys) the packed buckets in place."""
+    for index, (bucket, send) in enumerate(zip(buckets, sends)):
+        if scales and scales[index][0] is not None:
+            np.multiply(send, scales[index][0], out=send, casting="unsafe")
+        if bucket.plan.codec is not None:
+            bucket.plan.codec.encode(send, send)
 
 
 def _bucket_post(
-    comm: Any, buckets: Sequence[Bucket], sends: Sequence[np.ndarray], recvs: Sequence[np.ndarray], ready: Any
+    comm: Any,
+    buckets: Sequence[Bucket],
+    sends: Sequence[np.ndarray],
+    recvs: Sequence[np.ndarray],
+    scales: Sequence[tuple[Any, Any]] | None,
+    ready: Any,
 ) -> Callable[[], list[Any] | AfterEvent]:
     """The op's ``post``: one ``MPI_Iallreduce`` per bucket, once `ready` (if any) is done.
 
-    MAX/MIN keys of floats are encoded now when the sends are filled, else when posting.
+    The packed buckets are prescaled and encoded (`_ready_sends`) now when they are filled,
+    else once `ready` is done, just before posting.
     """
-
-    def encode() -> None:
-        for bucket, send in zip(buckets, sends):
-            if bucket.plan.codec is not None:
-                bucket.plan.codec.encode(send, send)
 
     def requests() -> list[Any]:
         return [
@@ -277,14 +315,14 @@ def _bucket_post(
         ]
 
     if ready is None:
-        encode()
+        _ready_sends(buckets, sends, scales)
         return requests
 
-    def encode_and_post() -> list[Any]:
-        encode()
+    def prepare_and_post() -> list[Any]:
+        _ready_sends(buckets, sends, scales)
         return requests()
 
-    return lambda: AfterEvent(ready, encode_and_post)
+    return lambda: AfterEvent(ready, prepare_and_post)
 
 
 def start_buckets(
@@ -297,6 +335,7 @@ def start_buckets(
     record: Record,
     nbytes: int,
     rounding: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+    scales: Sequence[tuple[Any, Any]] | None = None,
     ready: Any = None,
 ) -> CollectiveTensor:
     """All-reduce packed buckets as one op: one ``MPI_Iallreduce`` per bucket.
@@ -314,6 +353,9 @@ def start_buckets(
         record: what this rank says about the call, for the check.
         nbytes: the bytes of all the tensors, for messages.
         rounding: (float32 view, half-precision result) pairs to round back at the end.
+        scales: per bucket, (prescale, postscale) factors (None: unscaled): the packed
+            input is multiplied before the reduction, the result after it (and after MEAN's
+            division), before half precision is rounded back.
         ready: an event (``done``) after which `sends` are filled (GPU gradients copied
             into them asynchronously), or None when they are filled already. MPI gets
             them only once it is done; the call does not wait for it.
@@ -322,14 +364,17 @@ def start_buckets(
         The handle resolving to `result`.
     """
     size = group.size
-    post = _bucket_post(group.comm, buckets, sends, recvs, ready)
+    post = _bucket_post(group.comm, buckets, sends, recvs, scales, ready)
+    posts = [post_factor for _, post_factor in scales] if scales else [None] * len(buckets)
 
     def finish() -> Any:
-        for bucket, out in zip(buckets, recvs):
+        for bucket, out, post_factor in zip(buckets, recvs, posts):
             if bucket.plan.divide:
                 np.true_divide(out, size, out=out)
             elif bucket.plan.codec is not None:
                 bucket.plan.codec.decode(out)
+            if post_factor is not None:
+                np.multiply(out, post_factor, out=out, casting="unsafe")
         for view, final in rounding:
             np.copyto(final, view, casting="unsafe")
         return result

@@ -201,7 +201,8 @@ class GradientSync:
                              self._group.members, extra=self._hashes[index])
         ready = self._gpu.ready(index) if self._gpu is not None else None
         self._handles[index] = start_buckets(
-            self._ctx, self._group, [bucket], [self._sends[index]], [out], views, record, out.nbytes, rounding, ready
+            self._ctx, self._group, [bucket], [self._sends[index]], [out], views, record, out.nbytes, rounding,
+            ready=ready,
         )
 
     def wait(self, timeout: float | None = None) -> dict[str, Tensor]:

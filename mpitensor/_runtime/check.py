@@ -29,6 +29,7 @@ from .._core.config import ReduceOperation
 from .._core.errors import CollectiveMismatchError
 
 __all__ = [
+    "Wait",
     "ABANDON",
     "ABANDONED_KIND",
     "CLOSE_KIND",
@@ -87,6 +88,25 @@ _DTYPE_LIST = [
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "longdouble", "complex64", "complex128", "bfloat16",
 ]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """One place a rank can be stuck: a group's check number `seq`, or its creation."""
+
+    members: tuple[int, ...]
+    seq: int
+    creating: bool
+    doing: str
+
+    def as_note(self) -> dict[str, Any]:
+        """The wait as a picklable dict."""
+        return {"members": self.members, "seq": self.seq, "creating": self.creating, "kind": self.doing}
+
+    @staticmethod
+    def from_note(note: dict[str, Any]) -> Wait:
+        """The wait a note describes."""
+        return Wait(tuple(note["members"]), int(note["seq"]), bool(note["creating"]), str(note["kind"]))
 
 
 @functools.cache

@@ -28,40 +28,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._core.errors import CollectiveMismatchError, CollectiveTimeoutError
 from .._core.mpi import MPI
-from .check import AbandonRecord, Waiting, cycle_text
-from .engine import CHECKING, QUEUED, Op, _Backoff
+from .check import AbandonRecord, Wait, Waiting, cycle_text
+from .engine import CHECKING, QUEUED, Backoff, Op
 
-if TYPE_CHECKING:
-    from .context import DistributedContext
-
-__all__ = ["DIAG_AFTER", "Diagnosis", "Wait"]
+__all__ = ["DIAG_AFTER", "Diagnosis", "Wait"]  # Wait: re-exported from check
 
 DIAG_AFTER = 0.5  # seconds blocked before a rank tells its peers what it waits on
 _BLOCKED, _HELLO = 11, 12
-
-
-@dataclass(frozen=True)
-class Wait:
-    """One place a rank can be stuck: a group's check number `seq`, or its creation."""
-
-    members: tuple[int, ...]
-    seq: int
-    creating: bool
-    doing: str
-
-    def as_note(self) -> dict[str, Any]:
-        """The wait as a picklable dict."""
-        return {"members": self.members, "seq": self.seq, "creating": self.creating, "kind": self.doing}
-
-    @staticmethod
-    def from_note(note: dict[str, Any]) -> Wait:
-        """The wait a note describes."""
-        return Wait(tuple(note["members"]), int(note["seq"]), bool(note["creating"]), str(note["kind"]))
 
 
 class Diagnosis:
@@ -71,7 +48,7 @@ class Diagnosis:
         ctx: the context; its ``diag_comm`` carries the notes.
     """
 
-    def __init__(self, ctx: DistributedContext) -> None:
+    def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
         self.comm = ctx.diag_comm
         self.me = ctx.rank
@@ -271,7 +248,7 @@ class Diagnosis:
             self._send(member, _HELLO, {"members": members, "attempt": attempt, "abandon": None})
         start = time.monotonic()
         timeout = self.ctx.timeout
-        backoff = _Backoff()
+        backoff = Backoff()
         while True:
             self._drain()
             heard = self.hellos.get((members, attempt), {})

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from .check import (
     CLOSING,
     FAILED_CALL,
     Record,
+    Wait,
     decode_waiting,
     departure_error,
     mismatch_error,
@@ -40,10 +41,8 @@ from .check import (
 
 if TYPE_CHECKING:
     from .._core.protect import Protection
-    from .context import DistributedContext
-    from .progress import ProgressThread
 
-__all__ = ["Engine", "Group", "Op", "Stepper"]
+__all__ = ["Engine", "Group", "Op", "Owner", "Stepper", "Waker"]
 
 # Op states, in the order an op moves through them.
 CHECKING = 0  # the consistency check (or metadata exchange) is in flight
@@ -215,6 +214,40 @@ def _size_text(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+class Owner(Protocol):
+    """What the engine uses of its context (`DistributedContext` is one), so it need not import it.
+
+    Attributes:
+        usable: neither closed nor broken.
+        config: the `DistributedConfig`.
+        timeout: the default timeout of waits (None: none).
+        rank: this rank in the context.
+        diagnosis: the group-mismatch diagnosis, or None.
+    """
+
+    usable: bool
+    config: Any
+    timeout: float | None
+    rank: int
+    diagnosis: Any
+
+    def ensure_usable(self) -> None:
+        """Raise the error that says why the context cannot be used."""
+
+    def mark_broken(self, why: str) -> None:
+        """Break the context: every later call raises `ContextBrokenError` saying `why`."""
+
+    def abort(self, errorcode: int = 1) -> None:
+        """End the job on every rank."""
+
+
+class Waker(Protocol):
+    """A progress thread, as the engine sees it: told when a large operation was posted."""
+
+    def wake(self, nbytes: int) -> None:
+        """Start polling (for an operation of `nbytes` bytes)."""
+
+
 class Engine:
     """Runs the ops of one context.
 
@@ -222,14 +255,14 @@ class Engine:
         ctx: the context (for its groups, config and broken state).
     """
 
-    def __init__(self, ctx: DistributedContext) -> None:
+    def __init__(self, ctx: Owner) -> None:
         self.ctx = ctx
         self.lock = threading.RLock()
         self.posted: list[Op] = []  # ops whose data is in flight
         self.waiting_groups: set[Group] = set()  # groups with a non-empty queue
         self.stepping = 0  # posted ops driven by steps rather than by MPI alone
         self.checks_posted = 0  # on every group, for the failed turns of `_entry`
-        self.progress_thread: ProgressThread | None = None
+        self.progress_thread: Waker | None = None
 
     # -- starting ----------------------------------------------------------------------
 
@@ -375,8 +408,6 @@ class Engine:
         diagnosis = self.ctx.diagnosis
         if diagnosis is None or op.record is None or op.record.kind == ABANDONED_KIND:
             return
-        from .diagnosis import Wait
-
         mine = Wait(op.group.members, op.seq, False, op.name)
         for member, detail in zip(op.group.members, details):
             waiting = decode_waiting(detail)
@@ -639,7 +670,7 @@ class Engine:
 
     def _wait_check(self, op: Op, grace: float) -> None:
         deadline = time.monotonic() + grace
-        backoff = _Backoff()
+        backoff = Backoff()
         group = op.group
         while op.state == CHECKING:
             with self.lock:
@@ -670,7 +701,7 @@ class Engine:
             raise ContextBrokenError(message) from thread.error
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        backoff = _Backoff()
+        backoff = Backoff()
         diagnosis = self.ctx.diagnosis
         while True:
             self.progress()
@@ -707,7 +738,7 @@ class Engine:
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
-class _Backoff:
+class Backoff:
     """Spin briefly, then yield, then sleep in short pauses.
 
     Waiting ranks leave the CPU to others this way: with more ranks than cores, the peer a

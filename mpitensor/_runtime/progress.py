@@ -16,12 +16,9 @@ import ctypes
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = ["ProgressThread"]
+__all__ = ["ProgressThread", "Progressable"]
 
 _PR_SET_TIMERSLACK = 29
 
@@ -37,6 +34,18 @@ def _tighten_timer_slack(nanoseconds: int) -> None:
         pass
 
 
+class Progressable(Protocol):
+    """What the thread drives (the `Engine` is one): its lock, whether work is in flight, a step."""
+
+    lock: Any
+
+    def busy(self) -> bool:
+        """Whether operations are in flight."""
+
+    def progress(self) -> None:
+        """Advance what is in flight without blocking."""
+
+
 class ProgressThread:
     """A daemon thread that progresses an engine's collectives while they are in flight.
 
@@ -49,7 +58,7 @@ class ProgressThread:
             as long as waking a thread costs, and complete within their own resolve.
     """
 
-    def __init__(self, engine: Engine, interval: float = 2e-5, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, engine: Progressable, interval: float = 2e-5, min_bytes: int = 1 << 20) -> None:
         self.engine = engine
         self.interval = interval
         self.min_bytes = min_bytes

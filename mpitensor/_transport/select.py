@@ -12,7 +12,8 @@ from .base import Transport
 from .mpi import InPlace, Plain
 from .shm import SharedMemory
 
-__all__ = ["ALL_REDUCE", "SHARED_MEMORY"]
+__all__ = ["ALL_REDUCE", "PLAIN", "SHARED_MEMORY"]
 
 SHARED_MEMORY = SharedMemory()
-ALL_REDUCE: tuple[Transport, ...] = (InPlace(), SHARED_MEMORY, Plain())
+PLAIN = Plain()
+ALL_REDUCE: tuple[Transport, ...] = (InPlace(), SHARED_MEMORY, PLAIN)

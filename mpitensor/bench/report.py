@@ -100,10 +100,10 @@ def _sweep_targets(sweep: dict[str, Any]) -> list[Target]:
     """The sweep's targets: overhead at large and small sizes, gloo, pickle, bus bandwidth."""
     targets = [
         target
-        for target in (_large_overhead(sweep), _small_overhead(sweep), _versus_gloo(sweep), _versus_pickle(sweep))
+        for target in (_large_overhead(sweep), _versus_gloo(sweep), _versus_pickle(sweep))
         if target is not None
     ]
-    return targets + _busbw_targets(sweep)
+    return _per_call(sweep) + targets + _busbw_targets(sweep)
 
 
 def _large_overhead(sweep: dict[str, Any]) -> Target | None:
@@ -126,17 +126,29 @@ def _large_overhead(sweep: dict[str, Any]) -> Target | None:
     )
 
 
-def _small_overhead(sweep: dict[str, Any]) -> Target | None:
-    """The target mt / raw at 8 B with the check off (the check on beside it)."""
-    if 8 not in sweep["sizes"]:
-        return None
-    checked = _ratio(_median(sweep, "mt_checked", 8), _median(sweep, "raw", 8))
-    raw8 = _median(sweep, "raw", 8)
-    return Target(
-        "overhead at 8 B, check off: mt / raw", _ratio(_median(sweep, "mt", 8), raw8),
-        2.0, False, "check on: " + (f"{checked:.2f}x" if checked is not None else "-")
-        + (f"; raw {raw8 * 1e6:.2f} us" if raw8 else ""),
-    )
+# Per-call cost against the raw call it wraps: (size, variant, bound, what).
+_PER_CALL = (
+    (8, "mt", 2.0, "check off"),
+    (_KIB, "mt", 1.5, "check off"),
+    (64 * _KIB, "mt", 1.05, "check off"),
+    (16 * _MIB, "mt", 0.5, "check off (the memory-copy floor is about 0.3x)"),
+    (8, "mt_checked", 3.0, "check on (the default configuration)"),
+)
+
+
+def _per_call(sweep: dict[str, Any]) -> list[Target]:
+    """The per-call ratios mt / raw at the sizes and configurations of `_PER_CALL` that the sweep measured."""
+    targets = []
+    for nbytes, variant, bound, what in _PER_CALL:
+        if nbytes not in sweep["sizes"] or variant not in sweep["variants"]:
+            continue
+        raw = _median(sweep, "raw", nbytes)
+        targets.append(Target(
+            f"per call at {format_size(nbytes)}, {what.split(' (')[0]}: mt / raw",
+            _ratio(_median(sweep, variant, nbytes), raw), bound, False,
+            what + (f"; raw {raw * 1e6:.2f} us" if raw else ""),
+        ))
+    return targets
 
 
 def _versus_gloo(sweep: dict[str, Any]) -> Target | None:
@@ -226,10 +238,17 @@ def _fused_targets(fused: dict[str, Any]) -> list[Target]:
     if "fused_checked" in variants and "separate_checked" in variants:
         checked = (f"; check on: "
                    f"{variants['separate_checked']['median_s'] / variants['fused_checked']['median_s']:.1f}x")
-    return [Target(
+    targets = [Target(
         f"fusion, {fused['count']} x {format_size(fused['tensor_bytes'])}: separate / fused",
         variants["separate"]["median_s"] / variants["fused"]["median_s"], 5.0, True, "check off" + checked,
     )]
+    if "raw_packed" in variants:
+        packed = variants["raw_packed"]["median_s"]
+        targets.append(Target(
+            f"fused {fused['count']} x {format_size(fused['tensor_bytes'])} / one raw Iallreduce pre-packed",
+            variants["fused"]["median_s"] / packed, 1.5, False, f"check off; raw packed {packed * 1e6:.0f} us",
+        ))
+    return targets
 
 
 def format_targets(runs: Sequence[dict[str, Any]]) -> str:

@@ -14,7 +14,7 @@ from tests.helpers import ALL_DTYPES, OP, every_rank_settings, rank_input, refer
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
-KINDS = ["broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all"]
+KINDS = ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all"]
 
 
 def _call(kind, mine, n, root, members, out):
@@ -22,6 +22,8 @@ def _call(kind, mine, n, root, members, out):
         return mt.broadcast(mine, root=root, devices=members, out=out)
     if kind == "reduce":
         return mt.reduce(mine, "sum", root=root, devices=members, out=out)
+    if kind == "all_reduce":
+        return mt.all_reduce(mine, "sum", devices=members, out=out)
     return getattr(mt, kind)(mine, devices=members, out=out)
 
 
@@ -30,7 +32,7 @@ def _expected(kind, inputs, members, me, root):
     n = len(members)
     if kind == "broadcast":
         return inputs[root]
-    if kind == "reduce":
+    if kind in ("reduce", "all_reduce"):
         return reference(OP.SUM, arrays)
     if kind == "all_gather":
         return np.concatenate(arrays)

@@ -1,4 +1,4 @@
-"""prescale_factor / postscale_factor on reduce, reduce_scatter and GradientSync (Horovod's semantics)."""
+"""prescale_factor / postscale_factor on all_reduce, reduce, reduce_scatter and GradientSync (Horovod's semantics)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _expected(op, arrays, pre, post):
 
 @every_rank_settings(40)
 @given(
-    kind=st.sampled_from(["reduce", "reduce_scatter"]),
+    kind=st.sampled_from(["all_reduce", "reduce", "reduce_scatter"]),
     dtype=st.sampled_from(NUMBERS),
     op=st.sampled_from([OP.SUM, OP.MEAN, OP.MAX, OP.MIN]),
     draws=st.tuples(st.integers(0, 2), st.integers(0, 2)),
@@ -53,7 +53,10 @@ def test_factors_match_numpy(module_ctx, kind, dtype, op, draws, group_kind, see
     mine = inputs[ctx.rank]
     before = mine.copy()
     expected = _expected(op, [inputs[r] for r in members], pre, post)
-    if kind == "reduce":
+    if kind == "all_reduce":
+        got = mt.all_reduce(mine, op, devices=members, prescale_factor=pre, postscale_factor=post).resolve()
+        ok = close(got, expected, op, n, pre * post)
+    elif kind == "reduce":
         root = members[seed % n]
         got = mt.reduce(mine, op, root=root, devices=members, prescale_factor=pre, postscale_factor=post).resolve()
         ok = got is None if ctx.rank != root else close(got, expected, op, n, pre * post)
@@ -86,7 +89,7 @@ def test_factor_one_is_free_and_agrees_with_none(ctx):
         (np.float64, {"prescale_factor": "2"}, "must be a number"),
     ],
 )
-@pytest.mark.parametrize("kind", ["reduce", "reduce_scatter"])
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce", "reduce_scatter"])
 def test_bad_factors(ctx, kind, dtype, factors, message):
     call = getattr(mt, kind)
     with pytest.raises(TypeError, match=message):
@@ -112,7 +115,7 @@ def test_gradient_sync_refuses_fractions_for_integers(ctx):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("kind", ["reduce", "reduce_scatter"])
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce", "reduce_scatter"])
 def test_different_factors_mismatch(ctx, kind):
     factor = 2.0 if ctx.rank == ctx.size - 1 else 3.0
     call = getattr(mt, kind)
@@ -138,4 +141,45 @@ def test_gradient_sync_factors_mismatch(ctx):
     with pytest.raises(mt.CollectiveMismatchError, match="postscale_factor"):
         sync.submit("w", np.ones(2))  # the bucket starts here: its check may fail here or in wait()
         sync.wait()
+    still_usable(ctx)
+
+
+def test_a_fused_all_reduce_refuses_out(ctx):
+    with pytest.raises(TypeError, match="out= is not supported for a list"):
+        mt.all_reduce({"a": np.ones(2)}, out=np.empty(2))
+    still_usable(ctx)
+
+
+@every_rank_settings(30)
+@given(
+    dtypes=st.lists(st.sampled_from(NUMBERS), min_size=1, max_size=4),
+    op=st.sampled_from([OP.SUM, OP.MEAN, OP.MAX, OP.MIN]),
+    draws=st.tuples(st.integers(0, 2), st.integers(0, 2)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fused_factors_match_numpy(module_ctx, dtypes, op, draws, seed):
+    ctx = module_ctx
+    if any(np.dtype(d).kind == "c" for d in dtypes) and op in (OP.MAX, OP.MIN):
+        op = OP.SUM
+    # Factors every dtype takes: integers as soon as one tensor is an integer one.
+    integral = any(np.dtype(d).kind in "iu" for d in dtypes)
+    choices = [1, 2, 3] if integral else [1.0, 0.5, 2.5]
+    pre, post = choices[draws[0]], choices[draws[1]]
+    inputs = {r: [rank_input(seed + i, r, (3, 2), d) for i, d in enumerate(dtypes)] for r in range(ctx.size)}
+    mine = inputs[ctx.rank]
+    before = [a.copy() for a in mine]
+    got = mt.all_reduce(mine, op, prescale_factor=pre, postscale_factor=post).resolve()
+    ok = all(
+        close(g, _expected(op, [inputs[r][i] for r in range(ctx.size)], pre, post), op, ctx.size, pre * post)
+        for i, g in enumerate(got)
+    )
+    ok = ok and all(np.array_equal(a, b) for a, b in zip(mine, before))
+    agree(ok, f"fused {[np.dtype(d).name for d in dtypes]} {op.name} pre={pre} post={post}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fused_factors_mismatch(ctx):
+    factor = 2.0 if ctx.rank == 0 else 4.0
+    expect_mismatch(lambda: mt.all_reduce([np.ones(2), np.ones(3)], "sum", prescale_factor=factor),
+                    "options", "prescale_factor")
     still_usable(ctx)

@@ -9,7 +9,7 @@ import pytest
 
 import mpitensor as mt
 from mpitensor._runtime.engine import COMPLETE
-from tests.helpers import OP, assert_matches, rank_input, reference
+from tests.helpers import ARITHMETIC, assert_matches, rank_input, reference
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -20,9 +20,9 @@ BIG = (1 << 20,)  # 4 MiB of float32: several rounds of the all-reduce algorithm
 def test_results_are_the_same_with_and_without_the_thread(progress):
     with mt.DistributedContext.init(config=mt.DistributedConfig(progress=progress)) as ctx:
         assert ctx.progress is progress
-        pending = [mt.all_reduce(rank_input(i, ctx.rank, BIG, np.float32), op) for i, op in enumerate(OP)]
+        pending = [mt.all_reduce(rank_input(i, ctx.rank, BIG, np.float32), op) for i, op in enumerate(ARITHMETIC)]
         time.sleep(0.05)
-        for (i, op), handle in zip(enumerate(OP), pending):
+        for (i, op), handle in zip(enumerate(ARITHMETIC), pending):
             expected = reference(op, [rank_input(i, r, BIG, np.float32) for r in range(ctx.size)])
             assert_matches(handle.resolve(), expected, op, ctx.size)
 
