@@ -28,7 +28,7 @@ from .._transport.gpu.after_event import AfterEvent
 from .common import PLAIN_DTYPES, CollectiveTensor, check_record, follow, start, take_input
 from .options import make_record, refuse_on_gpu, scale_factors, scale_options
 
-__all__ = ["Bucket", "fused_all_reduce", "plan_buckets", "start_buckets", "structure_hash"]
+__all__ = ["Bucket", "flatten", "fused_all_reduce", "plan_buckets", "rebuild", "start_buckets", "structure_hash"]
 
 
 @dataclass
@@ -115,13 +115,15 @@ def describe_entries(keys: Sequence[Any], arrays: Sequence[Any]) -> list[tuple[s
     return [(repr(key), tuple(array.shape), str(array.dtype)) for key, array in zip(keys, arrays)]
 
 
-def _flatten(structure: Any) -> tuple[list[Any], list[Any]]:
+def flatten(structure: Any) -> tuple[list[Any], list[Any]]:
+    """The keys (dict keys, or positions) and the leaves of a list, tuple or dict."""
     if isinstance(structure, dict):
         return list(structure.keys()), list(structure.values())
     return list(range(len(structure))), list(structure)
 
 
-def _rebuild(structure: Any, keys: list[Any], values: list[Any]) -> Any:
+def rebuild(structure: Any, keys: list[Any], values: list[Any]) -> Any:
+    """A structure of `structure`'s kind with `values` at `keys` (as `flatten` gave them)."""
     if isinstance(structure, dict):
         return dict(zip(keys, values))
     if isinstance(structure, tuple):
@@ -159,7 +161,7 @@ def fused_all_reduce(
     """
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     group = ctx.group(devices, kind)
-    keys, values = _flatten(structure)
+    keys, values = flatten(structure)
     plain = _plain_host_leaves(values, ctx.cpu_device)
     if plain is not None:
         buffers, devices_out = plain
@@ -172,7 +174,7 @@ def fused_all_reduce(
             from .gpu_staged import gpu_fused_all_reduce
 
             refuse_on_gpu("all_reduce", prescale_factor=factors[0], postscale_factor=factors[1])
-            arrays = _rebuild(structure, keys, [item.buffer for item in inputs])
+            arrays = rebuild(structure, keys, [item.buffer for item in inputs])
             handle = gpu_fused_all_reduce(ctx, arrays, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
             return follow(handle, back)
         buffers = [item.buffer for item in inputs]  # contiguous, of the input's shape
@@ -254,7 +256,7 @@ def _start_fused(
             outputs[index] = wrap_array(view, devices[index])
         sends.append(send)
         recvs.append(out)
-    result = _rebuild(structure, keys, outputs)
+    result = rebuild(structure, keys, outputs)
     # Hashing the structure costs per tensor: only a checked call needs it.
     checked = ctx.config.check and group.size > 1
     scales, options = _bucket_scales(buckets, by_dtype, factors)

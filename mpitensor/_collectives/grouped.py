@@ -23,7 +23,7 @@ from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
 from .common import Input, check_record, group_root, root_rank, start, take_input
-from .fused import describe_entries, plan_buckets, structure_hash
+from .fused import describe_entries, flatten, plan_buckets, rebuild, structure_hash
 from .options import axis_arg, finish_scaled, make_record, scale_factors, scale_options, split_first_axis
 
 __all__ = ["grouped_all_gather", "grouped_broadcast", "grouped_reduce_scatter", "is_structure"]
@@ -32,18 +32,6 @@ __all__ = ["grouped_all_gather", "grouped_broadcast", "grouped_reduce_scatter", 
 def is_structure(value: Any) -> bool:
     """True for the containers a grouped call takes: a list, tuple or dict."""
     return isinstance(value, (list, tuple, dict))
-
-
-def _flatten(structure: Any) -> tuple[list[Any], list[Any]]:
-    if isinstance(structure, dict):
-        return list(structure.keys()), list(structure.values())
-    return list(range(len(structure))), list(structure)
-
-
-def _rebuild(structure: Any, keys: list[Any], values: list[Any]) -> Any:
-    if isinstance(structure, dict):
-        return dict(zip(keys, values))
-    return tuple(values) if isinstance(structure, tuple) else list(values)
 
 
 def _leaves(ctx: DistributedContext, structure: Any, what: str, unsupported: dict[str, Any]) -> tuple[
@@ -57,7 +45,7 @@ def _leaves(ctx: DistributedContext, structure: Any, what: str, unsupported: dic
     for name, value in unsupported.items():
         if value is not None:
             raise TypeError(f"{what}: {name}= is not supported with a list, tuple or dict of tensors")
-    keys, values = _flatten(structure)
+    keys, values = flatten(structure)
     inputs = [take_input(value, ctx, what, f"every tensor of the {type(structure).__name__}") for value in values]
     if any(item.on_gpu for item in inputs):
         raise TypeError(f"{what}: grouped calls take host tensors only; pass GPU tensors one at a time")
@@ -130,7 +118,7 @@ def grouped_all_gather(ctx: DistributedContext, structure: Any, axis: Any, devic
                 offset += size
         return value
 
-    value = _rebuild(structure, keys, results)
+    value = rebuild(structure, keys, results)
     record = _record(ctx, "grouped all_gather", None, -1, group, keys, buffers)
     if record is not None:
         record.extra ^= hash(tuple(axes)) & 0xFFFF
@@ -173,7 +161,7 @@ def grouped_broadcast(ctx: DistributedContext, structure: Any, root: Any, device
         index = group_root(group, root_at, "broadcast")
         return [comm.Ibcast([buffer, mpi_datatype(buffer.dtype)], root=index) for buffer in packed]
 
-    value = _rebuild(structure, keys, results)
+    value = rebuild(structure, keys, results)
     record = _record(ctx, "grouped broadcast", None, root_at, group, keys, buffers)
     op = Op("grouped broadcast", group, sum(b.nbytes for b in buffers), post, lambda: value, record=record,
             keep=tuple(packed))
@@ -245,7 +233,7 @@ def _start_reduce_scatter(ctx: DistributedContext, group: Group, structure: Any,
             finish_scaled(work, final, bucket.plan, n, factors[bucket.members[0]][1])
         return value
 
-    value = _rebuild(structure, keys, results)
+    value = rebuild(structure, keys, results)
     options = scale_options(*factors[0]) if factors else ()
     record = _record(ctx, "grouped reduce_scatter", op, -1, group, keys, buffers, options)
     collective = Op("grouped reduce_scatter", group, sum(b.nbytes for b in buffers), post, finish, record=record,

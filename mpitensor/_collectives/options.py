@@ -26,6 +26,7 @@ from .._runtime.check import OptionsRecord, Record
 from .._runtime.context import DistributedContext
 from .._runtime.engine import Group, Op
 from .common import Input, finish_reduction, reduction_input
+from .layout import axis_arg
 
 __all__ = [
     "axis_arg",
@@ -286,17 +287,3 @@ def blocks_or_problem(shape: tuple[int, ...], parts: int, what: str) -> tuple[Va
         return None, split_first_axis(shape, parts, what)
     except ValueError as exc:
         return exc, (0,)
-
-
-def axis_arg(axis: Any, ndim: int, what: str) -> int:
-    """`axis` as a non-negative axis of a tensor of `ndim` dimensions.
-
-    Raises:
-        TypeError: `axis` is not an int.
-        ValueError: `axis` is out of range.
-    """
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"{what}: axis must be an int, got {type(axis).__name__}")
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"{what}: axis {axis} is out of range for a tensor of {ndim} dimension(s)")
-    return int(axis) % ndim
