@@ -13,6 +13,7 @@ from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
 from .common import CollectiveTensor, Later, context_for, follow, result_device, start, take_input
+from .gpu_host import staged
 from .grouped import grouped_all_gather, is_structure
 from .options import axis_arg, output_buffer, output_tensor, protect_output, refuse_on_gpu
 
@@ -55,9 +56,8 @@ def all_gather(
     group = ctx.group(devices, "all_gather")
     if source.on_gpu:
         refuse_on_gpu("all_gather", out=out)
-        from .gpu_staged import gpu_all_gather
-
-        return follow(gpu_all_gather(ctx, source, group, axis), source.back)
+        handle = staged(ctx, source, group, lambda host, members: all_gather(host, axis=axis, devices=members))
+        return follow(handle, source.back)
     protections = source.guard(ctx)
     array = source.buffer if source.buffer.ndim else source.buffer.reshape(1)
     axis = axis_arg(axis, array.ndim, "all_gather")

@@ -24,6 +24,7 @@ from .common import (
     start,
     take_input,
 )
+from .gpu_host import staged
 from .options import make_record, output_buffer, output_tensor, protect_output, refuse_on_gpu, row_counts
 from .reduce_scatter import blocks_or_problem
 
@@ -67,9 +68,7 @@ def all_to_all(
     group = ctx.group(devices, "all_to_all")
     if source.on_gpu:
         refuse_on_gpu("all_to_all", splits=splits, out=out)
-        from .gpu_staged import gpu_all_to_all
-
-        return follow(gpu_all_to_all(ctx, source, group), source.back)
+        return follow(staged(ctx, source, group, lambda host, members: all_to_all(host, devices=members)), source.back)
     protections = source.guard(ctx)
     if splits is not None:
         return follow(_start_split(ctx, source, group, splits, out, protections), source.back)

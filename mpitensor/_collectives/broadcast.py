@@ -25,6 +25,7 @@ from .common import (
     start,
     take_input,
 )
+from .gpu_host import staged
 from .grouped import grouped_broadcast, is_structure
 from .options import output_buffer, output_tensor, protect_output, refuse_on_gpu
 
@@ -84,9 +85,8 @@ def broadcast(
         source = take_input(input, ctx, "broadcast")
         if source.on_gpu:
             refuse_on_gpu("broadcast", out=out)
-            from .gpu_staged import gpu_broadcast
-
-            return follow(gpu_broadcast(ctx, source, group, root_at), source.back)
+            handle = staged(ctx, source, group, lambda host, members: broadcast(host, root=root_at, devices=members))
+            return follow(handle, source.back)
         out_shape, out_dtype = tuple(source.array.shape), source.buffer.dtype
         device, nbytes = result_device(ctx, source), source.array.nbytes
     handle = _start(ctx, group, source, root_at, out, (out_shape, out_dtype), device, nbytes)

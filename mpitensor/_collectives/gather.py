@@ -13,6 +13,7 @@ from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Op
 from .common import CollectiveTensor, Later, context_for, group_root, result_device, root_rank, start, take_input
+from .gpu_host import staged
 from .layout import axis_arg, displacements, to_front
 
 __all__ = ["gather"]
@@ -47,8 +48,6 @@ def gather(
     group = ctx.group(devices, "gather")
     root_at = root_rank(ctx, root)
     if source.on_gpu:
-        from .gpu_host import staged
-
         return staged(ctx, source, group, lambda host, members: gather(host, root_at, axis=axis, devices=members))
     protections = source.guard(ctx)
     array = source.buffer if source.buffer.ndim else source.buffer.reshape(1)

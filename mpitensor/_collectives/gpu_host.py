@@ -15,6 +15,7 @@ import numpy as np
 from .._runtime.context import DistributedContext
 from .._runtime.engine import Group
 from .common import CollectiveTensor, Input
+from .gpu_staged import StagedCollective, cuda_result_device, gpu_call, stage_now
 
 __all__ = ["staged"]
 
@@ -36,8 +37,6 @@ def staged(
     Returns:
         A handle whose `resolve()` gives the result's tensors on the input's GPU (None stays None).
     """
-    from .gpu_staged import StagedCollective, cuda_result_device, gpu_call, stage_now
-
     call = gpu_call(source.buffer)
     host = stage_now(call, source.buffer)
     device = cuda_result_device(ctx, source, call.device)

@@ -59,7 +59,7 @@ from .._transport.gpu.after_event import AfterEvent
 from .._transport.gpu.cuda_aware import NONBLOCKING, CudaAwareness, detect
 from .._transport.gpu.pinned import PinnedBuffer, pinned_pool
 from .._transport.select import SHARED_MEMORY
-from .common import CollectiveTensor, Input, check_record, start
+from .common import CollectiveTensor, Input, check_record, start, take_input
 
 if TYPE_CHECKING:
     from .._runtime.context import DistributedContext
@@ -74,16 +74,10 @@ __all__ = [
     "data_path",
     "data_path_name",
     "device_buffers_ok",
-    "gpu_all_gather",
     "gpu_all_reduce",
-    "gpu_all_to_all",
-    "gpu_broadcast",
     "gpu_call",
     "gpu_fused_all_reduce",
-    "gpu_recv",
-    "gpu_reduce",
-    "gpu_reduce_scatter",
-    "gpu_send",
+    "received_on_gpu",
     "host_empty",
     "stage_now",
 ]
@@ -670,158 +664,23 @@ class StagedCollective(CollectiveTensor):
         return Tensor(array, self._device)
 
 
-def _members(ctx: DistributedContext, group: Group) -> Any:
-    """The `devices` argument naming `group` (None for the whole context)."""
-    return None if group.size == ctx.size else [ctx.devices[m] for m in group.members]
-
-
-def _staged_input(ctx: DistributedContext, source: Input) -> tuple[GpuCall, np.ndarray, Device]:
-    call = gpu_call(source.buffer)
-    return call, stage_now(call, source.buffer), cuda_result_device(ctx, source, call.device)
-
-
-def gpu_broadcast(ctx: DistributedContext, source: Input, group: Group, root_at: int) -> CollectiveTensor:
-    """`broadcast` of a CuPy input (the root's tensor, or a template), through host memory.
+def received_on_gpu(ctx: DistributedContext, inner: CollectiveTensor) -> CollectiveTensor:
+    """A host `recv` whose template was a CUDA tensor: `resolve()` brings the result to this rank's GPU.
 
     Args:
         ctx: the context.
-        source: the checked input (the root's tensor, or a template elsewhere).
-        group: the group.
-        root_at: the root's rank in the context.
-
-    Returns:
-        The handle; `resolve()` gives the tensor on the input's GPU.
-    """
-    from .broadcast import broadcast
-
-    call, host, device = _staged_input(ctx, source)
-    return StagedCollective(ctx, broadcast(host, root=root_at, devices=_members(ctx, group)), call, device)
-
-
-def gpu_reduce(
-    ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, group: Group, root_at: int
-) -> CollectiveTensor:
-    """`reduce` of a CuPy input through host memory (None on ranks other than the root).
-
-    Args:
-        ctx: the context.
-        source: the checked input.
-        reduce_op: the reduction.
-        group: the group.
-        root_at: the root's rank in the context.
-
-    Returns:
-        The handle; `resolve()` gives the result on the root's GPU, None elsewhere.
-    """
-    from .reduce import reduce
-
-    call, host, device = _staged_input(ctx, source)
-    return StagedCollective(ctx, reduce(host, reduce_op, root=root_at, devices=_members(ctx, group)), call, device)
-
-
-def gpu_all_gather(ctx: DistributedContext, source: Input, group: Group, axis: int) -> CollectiveTensor:
-    """`all_gather` of a CuPy input through host memory.
-
-    Args:
-        ctx: the context.
-        source: the checked input.
-        group: the group.
-        axis: the axis to concatenate along.
-
-    Returns:
-        The handle; `resolve()` gives the gathered tensor on the input's GPU.
-    """
-    from .all_gather import all_gather
-
-    call, host, device = _staged_input(ctx, source)
-    return StagedCollective(ctx, all_gather(host, axis=axis, devices=_members(ctx, group)), call, device)
-
-
-def gpu_reduce_scatter(
-    ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, group: Group
-) -> CollectiveTensor:
-    """`reduce_scatter` of a CuPy input through host memory.
-
-    Args:
-        ctx: the context.
-        source: the checked input.
-        reduce_op: the reduction.
-        group: the group.
-
-    Returns:
-        The handle; `resolve()` gives this rank's block on the input's GPU.
-    """
-    from .reduce_scatter import reduce_scatter
-
-    call, host, device = _staged_input(ctx, source)
-    return StagedCollective(ctx, reduce_scatter(host, reduce_op, devices=_members(ctx, group)), call, device)
-
-
-def gpu_all_to_all(ctx: DistributedContext, source: Input, group: Group) -> CollectiveTensor:
-    """`all_to_all` of a CuPy input through host memory.
-
-    Args:
-        ctx: the context.
-        source: the checked input.
-        group: the group.
-
-    Returns:
-        The handle; `resolve()` gives the received blocks on the input's GPU.
-    """
-    from .all_to_all import all_to_all
-
-    call, host, device = _staged_input(ctx, source)
-    return StagedCollective(ctx, all_to_all(host, devices=_members(ctx, group)), call, device)
-
-
-def gpu_send(ctx: DistributedContext, source: Input, peer: int, tag: int) -> CollectiveTensor:
-    """`send` of a CuPy tensor through host memory (the copy is taken at the call).
-
-    Args:
-        ctx: the context.
-        source: the checked input.
-        peer: the receiver's rank in the context.
-        tag: the message tag.
-
-    Returns:
-        The handle; `resolve()` gives None once the send is complete.
-    """
-    from .p2p import send
-
-    call, host, device = _staged_input(ctx, source)
-    return StagedCollective(ctx, send(host, peer, tag=tag), call, device)
-
-
-def gpu_recv(ctx: DistributedContext, peer: int, tag: int, expect: tuple[tuple[int, ...], Any]) -> CollectiveTensor:
-    """`recv` into a fresh tensor on this rank's GPU (the template was a CUDA tensor).
-
-    Args:
-        ctx: the context.
-        peer: the sender's rank in the context.
-        tag: the message tag.
-        expect: the template's shape and dtype.
+        inner: the host receive's handle.
 
     Returns:
         The handle; `resolve()` gives the received tensor on the GPU.
     """
-    from .p2p import recv
-
     cupy = require_cupy()
     index = ctx.device.index if ctx.device.kind == "cuda" else int(cupy.cuda.runtime.getDevice())
-    call = gpu_call(index)
-    shape, dtype = expect
-    inner = recv(None, peer, shape=shape, dtype=dtype, tag=tag)
-    return StagedCollective(ctx, inner, call, Device("cuda", index, ctx.device.rank))
+    return StagedCollective(ctx, inner, gpu_call(index), Device("cuda", index, ctx.device.rank))
 
 
 def gpu_fused_all_reduce(
-    ctx: DistributedContext,
-    structure: Any,
-    reduce_op: ReduceOperation,
-    devices: Any,
-    *,
-    bucket_bytes: int | None = None,
-    kind: str = "fused all_reduce",
+    ctx: DistributedContext, structure: Any, kind: str, run: Callable[[Any], CollectiveTensor]
 ) -> CollectiveTensor:
     """The fused all-reduce of a structure with CuPy leaves, through host memory.
 
@@ -831,17 +690,12 @@ def gpu_fused_all_reduce(
     Args:
         ctx: the context.
         structure: a list, tuple or dict of tensors, some of them CUDA tensors.
-        reduce_op: the reduction.
-        devices: the group, as given to `all_reduce`.
-        bucket_bytes: the bucket size; None for the context's.
-        kind: the operation's name in messages and in the check.
+        kind: the operation's name in messages.
+        run: ``run(host_structure)`` starts the host fused all-reduce.
 
     Returns:
         The handle; `resolve()` gives the same structure of results.
     """
-    from .common import take_input
-    from .fused import fused_all_reduce
-
     keys = list(structure) if isinstance(structure, dict) else list(range(len(structure)))
     values = [structure[k] for k in keys]
     inputs = [take_input(v, ctx, kind) for v in values]
@@ -855,5 +709,4 @@ def gpu_fused_all_reduce(
         host_structure: Any = dict(zip(keys, hosts))
     else:
         host_structure = type(structure)(hosts)
-    inner = fused_all_reduce(ctx, host_structure, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind)
-    return StagedCollective(ctx, inner, call, device, [item.on_gpu for item in inputs])
+    return StagedCollective(ctx, run(host_structure), call, device, [item.on_gpu for item in inputs])

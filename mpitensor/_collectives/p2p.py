@@ -21,6 +21,8 @@ from .._runtime.check import dtype_code, dtype_from_code
 from .._runtime.context import DistributedContext
 from .._runtime.engine import Op
 from .common import CollectiveTensor, Later, context_for, follow, result_device, root_rank, start, take_input
+from .gpu_host import staged
+from .gpu_staged import received_on_gpu
 from .options import output_buffer, output_tensor, protect_output, refuse_on_gpu
 
 __all__ = ["recv", "send"]
@@ -81,9 +83,7 @@ def send(input: Any, dest: int | Device, *, tag: int = 0) -> CollectiveTensor:  
     tag = _tag(tag)
     source = take_input(input, ctx, "send")
     if source.on_gpu:
-        from .gpu_staged import gpu_send
-
-        return gpu_send(ctx, source, peer, tag)
+        return staged(ctx, source, ctx.p2p_group, lambda host, _: send(host, peer, tag=tag))
     protections = source.guard(ctx)
     data = source.buffer
     header = _header(data.shape, data.dtype)
@@ -243,9 +243,8 @@ def recv(
         expect, device = (template.array.shape, template.buffer.dtype), result_device(ctx, template)
         if template.on_gpu:
             refuse_on_gpu("recv", out=out)
-            from .gpu_staged import gpu_recv
-
-            return follow(gpu_recv(ctx, peer, tag, expect), template.back)
+            inner = recv(None, peer, shape=expect[0], dtype=expect[1], tag=tag)
+            return follow(received_on_gpu(ctx, inner), template.back)
     elif shape is not None or dtype is not None:
         expect = _expected(shape, dtype)
     expect = expect if out is None else _fits_out(ctx, out, expect, input)

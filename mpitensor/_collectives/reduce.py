@@ -22,6 +22,7 @@ from .common import (
     start,
     take_input,
 )
+from .gpu_host import staged
 from .options import (
     finish_scaled,
     make_record,
@@ -80,9 +81,8 @@ def reduce(
     root_at = root_rank(ctx, root)
     if source.on_gpu:
         refuse_on_gpu("reduce", out=out, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-        from .gpu_staged import gpu_reduce
-
-        return follow(gpu_reduce(ctx, source, reduce_op, group, root_at), source.back)
+        handle = staged(ctx, source, group, lambda host, group_: reduce(host, reduce_op, root=root_at, devices=group_))
+        return follow(handle, source.back)
     handle = _start(ctx, source, reduce_op, group, root_at, out, (prescale_factor, postscale_factor))
     return follow(handle, source.back)
 

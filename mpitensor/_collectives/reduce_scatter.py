@@ -12,6 +12,7 @@ from .._core.tensor import Tensor
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
 from .common import CollectiveTensor, Input, check_record, context_for, follow, result_device, start, take_input
+from .gpu_host import staged
 from .grouped import grouped_reduce_scatter, is_structure
 from .options import (
     blocks_or_problem,
@@ -82,9 +83,8 @@ def reduce_scatter(
     if source.on_gpu:
         refuse_on_gpu("reduce_scatter", counts=counts, out=out, prescale_factor=prescale_factor,
                       postscale_factor=postscale_factor)
-        from .gpu_staged import gpu_reduce_scatter
-
-        return follow(gpu_reduce_scatter(ctx, source, reduce_op, group), source.back)
+        handle = staged(ctx, source, group, lambda host, members: reduce_scatter(host, reduce_op, devices=members))
+        return follow(handle, source.back)
     handle = _start(ctx, source, reduce_op, group, counts, out, (prescale_factor, postscale_factor))
     return follow(handle, source.back)
 

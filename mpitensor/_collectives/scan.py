@@ -31,6 +31,7 @@ from .common import (
     start,
     take_input,
 )
+from .gpu_host import staged
 
 __all__ = ["exscan", "identity", "scan"]
 
@@ -95,8 +96,6 @@ def _prefix(kind: str, input: Any, op: Any, devices: DevicesArg) -> CollectiveTe
     source = take_input(input, ctx, kind)
     group = ctx.group(devices, kind)
     if source.on_gpu:
-        from .gpu_host import staged
-
         return staged(ctx, source, group, lambda host, members: _prefix(kind, host, reduce_op, members))
     plan = reduce_plan(reduce_op, source.buffer.dtype)
     array = source.array

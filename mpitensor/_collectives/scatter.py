@@ -14,6 +14,7 @@ from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Op
 from .common import CollectiveTensor, check_record, context_for, group_root, result_device, root_rank, start, take_input
+from .gpu_host import staged
 from .layout import axis_arg, displacements, to_front
 
 __all__ = ["scatter"]
@@ -57,8 +58,6 @@ def scatter(
     is_root = root_at == ctx.rank
     source = None if input is None else take_input(input, ctx, "scatter")
     if source is not None and source.on_gpu:
-        from .gpu_host import staged
-
         return staged(ctx, source, group, lambda host, members: scatter(
             host, root_at, axis=axis, counts=counts, devices=members))
     whole, whole_dtype = _whole(is_root, source, shape, dtype)
