@@ -20,6 +20,7 @@ from .._transport.reduction import finish_reduction
 from .._transport.select import ALL_REDUCE
 from .common import PLAIN_DTYPES, CollectiveTensor, Input, context_for, follow, result_device, take_input
 from .fused import fused_all_reduce
+from .gpu_host import staged
 from .gpu_staged import gpu_all_reduce
 from .options import refuse_on_gpu
 from .reduce_options import all_reduce_with_options, refuse_structure
@@ -75,8 +76,7 @@ def all_reduce(
         return follow(handle, source.back)
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     if source.on_gpu:
-        refuse_on_gpu("all_reduce", out=out, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-        return gpu_all_reduce(ctx, source, reduce_op, group)
+        return _on_gpu(ctx, source, group, reduce_op, out, (prescale_factor, postscale_factor))
     if out is not None or prescale_factor is not None or postscale_factor is not None:
         return all_reduce_with_options(ctx, source, group, reduce_op, out, (prescale_factor, postscale_factor))
     call = ReduceCall(ctx, group, source, reduce_plan(reduce_op, source.buffer.dtype), source.array.nbytes)
@@ -107,6 +107,21 @@ def _take(input: Any, devices: DevicesArg) -> tuple[DistributedContext, Input, G
         source = take_input(input, ctx, "all_reduce")
     group = ctx.full_group if devices is None else ctx.group(devices, "all_reduce")
     return ctx, source, group
+
+
+def _on_gpu(ctx: DistributedContext, source: Input, group: Group, reduce_op: ReduceOperation, out: Any,
+            factors: tuple[Any, Any]) -> CollectiveTensor:
+    """A CuPy input: the GPU all-reduce, or with scale factors the host one on a staged copy.
+
+    Raises:
+        TypeError: `out` is given (not supported for GPU tensors yet).
+    """
+    refuse_on_gpu("all_reduce", out=out)
+    if factors == (None, None):
+        return gpu_all_reduce(ctx, source, reduce_op, group)
+    pre, post = factors
+    return staged(ctx, source, group, lambda host, members: all_reduce(
+        host, reduce_op, members, prescale_factor=pre, postscale_factor=post))
 
 
 def _finish(call: ReduceCall) -> Any:

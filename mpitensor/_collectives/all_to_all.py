@@ -67,8 +67,9 @@ def all_to_all(
     source = take_input(input, ctx, "all_to_all")
     group = ctx.group(devices, "all_to_all")
     if source.on_gpu:
-        refuse_on_gpu("all_to_all", splits=splits, out=out)
-        return follow(staged(ctx, source, group, lambda host, members: all_to_all(host, devices=members)), source.back)
+        refuse_on_gpu("all_to_all", out=out)
+        handle = staged(ctx, source, group, lambda host, members: all_to_all(host, devices=members, splits=splits))
+        return follow(handle, source.back)
     protections = source.guard(ctx)
     if splits is not None:
         return follow(_start_split(ctx, source, group, splits, out, protections), source.back)

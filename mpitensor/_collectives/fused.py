@@ -27,7 +27,7 @@ from .._runtime.engine import Group, Op
 from .._transport.gpu.after_event import AfterEvent
 from .common import PLAIN_DTYPES, CollectiveTensor, check_record, follow, start, take_input
 from .gpu_staged import gpu_fused_all_reduce
-from .options import make_record, refuse_on_gpu, scale_factors, scale_options
+from .options import make_record, scale_factors, scale_options
 
 __all__ = ["Bucket", "flatten", "fused_all_reduce", "plan_buckets", "rebuild", "start_buckets", "structure_hash"]
 
@@ -172,10 +172,9 @@ def fused_all_reduce(
         # Leaves of other libraries (torch, JAX, numbers) come back in their own kind.
         back = structure_back(keys, [item.back for item in inputs], type(structure))
         if any(item.on_gpu for item in inputs):
-            refuse_on_gpu("all_reduce", prescale_factor=factors[0], postscale_factor=factors[1])
             arrays = rebuild(structure, keys, [item.buffer for item in inputs])
             handle = gpu_fused_all_reduce(ctx, arrays, kind, lambda host: fused_all_reduce(
-                ctx, host, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind))
+                ctx, host, reduce_op, devices, bucket_bytes=bucket_bytes, kind=kind, factors=factors))
             return follow(handle, back)
         buffers = [item.buffer for item in inputs]  # contiguous, of the input's shape
         devices_out = [item.tensor.device if item.tensor is not None else ctx.cpu_device for item in inputs]

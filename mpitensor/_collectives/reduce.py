@@ -80,8 +80,10 @@ def reduce(
     group = ctx.group(devices, "reduce")
     root_at = root_rank(ctx, root)
     if source.on_gpu:
-        refuse_on_gpu("reduce", out=out, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-        handle = staged(ctx, source, group, lambda host, group_: reduce(host, reduce_op, root=root_at, devices=group_))
+        refuse_on_gpu("reduce", out=out)
+        handle = staged(ctx, source, group, lambda host, members: reduce(
+            host, reduce_op, root=root_at, devices=members, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor))
         return follow(handle, source.back)
     handle = _start(ctx, source, reduce_op, group, root_at, out, (prescale_factor, postscale_factor))
     return follow(handle, source.back)

@@ -81,9 +81,10 @@ def reduce_scatter(
     source = take_input(input, ctx, "reduce_scatter")
     group = ctx.group(devices, "reduce_scatter")
     if source.on_gpu:
-        refuse_on_gpu("reduce_scatter", counts=counts, out=out, prescale_factor=prescale_factor,
-                      postscale_factor=postscale_factor)
-        handle = staged(ctx, source, group, lambda host, members: reduce_scatter(host, reduce_op, devices=members))
+        refuse_on_gpu("reduce_scatter", out=out)
+        handle = staged(ctx, source, group, lambda host, members: reduce_scatter(
+            host, reduce_op, devices=members, counts=counts, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor))
         return follow(handle, source.back)
     handle = _start(ctx, source, reduce_op, group, counts, out, (prescale_factor, postscale_factor))
     return follow(handle, source.back)
