@@ -15,6 +15,7 @@ from .._runtime.engine import Group, Op
 from .common import CollectiveTensor, Later, context_for, follow, result_device, start, take_input
 from .gpu_host import staged
 from .grouped import grouped_all_gather, is_structure
+from .layout import displacements
 from .options import axis_arg, output_buffer, output_tensor, protect_output, refuse_on_gpu
 
 __all__ = ["all_gather"]
@@ -132,8 +133,8 @@ class _Gather:
         else:
             block = math.prod(rest)
             counts = [n * block for n in lengths]
-            displacements = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
-            requests = [comm.Iallgatherv([send, datatype], [gathered, counts, displacements, datatype])]
+            offsets = displacements(counts)
+            requests = [comm.Iallgatherv([send, datatype], [gathered, counts, offsets, datatype])]
         if target is not None:
             assert self.op is not None
             protect_output(self.op, out, target)

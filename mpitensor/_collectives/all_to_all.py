@@ -25,6 +25,7 @@ from .common import (
     take_input,
 )
 from .gpu_host import staged
+from .layout import displacements
 from .options import make_record, output_buffer, output_tensor, protect_output, refuse_on_gpu, row_counts
 from .reduce_scatter import blocks_or_problem
 
@@ -103,7 +104,7 @@ def _start_split(ctx: DistributedContext, source: Input, group: Group, splits: A
         output_buffer(ctx, out, (*lead, *rest), array.dtype, "all_to_all", (source.array, array))
     row = math.prod(rest)
     send_counts = [n * row for n in rows]
-    send_displs = np.cumsum([0, *send_counts[:-1]]).tolist()
+    send_displs = displacements(send_counts)
     later, device, comm, datatype = Later(), result_device(ctx, source), group.comm, mpi_datatype(array.dtype)
     failure: list[Exception] = []
 
@@ -114,7 +115,7 @@ def _start_split(ctx: DistributedContext, source: Input, group: Group, splits: A
             received = ctx.pool.empty(shape, array.dtype)
         later.value = output_tensor(None if failure else out, received, device)
         counts = [n * row for n in incoming]
-        displs = np.cumsum([0, *counts[:-1]]).tolist()
+        displs = displacements(counts)
         requests = [comm.Ialltoallv([array, send_counts, send_displs, datatype], [received, counts, displs, datatype])]
         if not failure:
             protect_output(op, out, received)

@@ -7,6 +7,7 @@ axis, so the axis goes to the front first (a copy unless it is the first one alr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -42,4 +43,5 @@ def to_front(ctx: DistributedContext, array: np.ndarray, axis: int) -> tuple[np.
 
 def displacements(counts: Sequence[int]) -> list[int]:
     """Where each of consecutive blocks of `counts` elements starts."""
-    return np.concatenate(([0], np.cumsum(counts, dtype=np.int64)[:-1])).astype(np.int64).tolist()
+    # Python's accumulate: NumPy's cumsum costs microseconds on a list of a few ints.
+    return list(accumulate((int(count) for count in counts[:-1]), initial=0))
