@@ -22,8 +22,8 @@ from .common import PLAIN_DTYPES, CollectiveTensor, Input, context_for, follow, 
 from .fused import fused_all_reduce
 from .gpu_host import staged
 from .gpu_staged import gpu_all_reduce
-from .options import refuse_on_gpu
-from .reduce_options import all_reduce_with_options, refuse_structure
+from .options import refuse_for_structure, refuse_on_gpu
+from .reduce_options import all_reduce_with_options
 
 __all__ = ["SMALL_BYTES", "all_reduce"]
 
@@ -66,7 +66,7 @@ def all_reduce(
     """
     kind = type(input)
     if kind is not np.ndarray and kind is not Tensor and isinstance(input, (list, tuple, dict)):
-        refuse_structure(out)
+        refuse_for_structure("all_reduce", out=out)
         return fused_all_reduce(context_for("all_reduce"), input, op, devices,
                                 factors=(prescale_factor, postscale_factor))
     ctx, source, group = _take(input, devices)

@@ -24,7 +24,15 @@ from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
 from .common import Input, check_record, group_root, root_rank, start, take_input
 from .fused import describe_entries, flatten, plan_buckets, rebuild, structure_hash
-from .options import axis_arg, finish_scaled, make_record, scale_factors, scale_options, split_first_axis
+from .options import (
+    axis_arg,
+    finish_scaled,
+    make_record,
+    refuse_for_structure,
+    scale_factors,
+    scale_options,
+    split_first_axis,
+)
 
 __all__ = ["grouped_all_gather", "grouped_broadcast", "grouped_reduce_scatter", "is_structure"]
 
@@ -42,9 +50,7 @@ def _leaves(ctx: DistributedContext, structure: Any, what: str, unsupported: dic
         TypeError: an option grouped calls do not take, a leaf that is not a host
             tensor or array.
     """
-    for name, value in unsupported.items():
-        if value is not None:
-            raise TypeError(f"{what}: {name}= is not supported with a list, tuple or dict of tensors")
+    refuse_for_structure(what, **unsupported)
     keys, values = flatten(structure)
     inputs = [take_input(value, ctx, what, f"every tensor of the {type(structure).__name__}") for value in values]
     if any(item.on_gpu for item in inputs):

@@ -37,6 +37,7 @@ __all__ = [
     "output_tensor",
     "prescaled_input",
     "protect_output",
+    "refuse_for_structure",
     "refuse_on_gpu",
     "reduction_outputs",
     "row_counts",
@@ -220,6 +221,20 @@ def refuse_on_gpu(what: str, **options: Any) -> None:
             raise TypeError(
                 f"{what}: {name}= is not supported for GPU (CuPy) tensors yet; "
                 f"pass a host tensor, or call it without {name}="
+            )
+
+
+def refuse_for_structure(what: str, **options: Any) -> None:
+    """Raise for options a call on a list, tuple or dict of tensors does not take (those not None).
+
+    Raises:
+        TypeError: naming the first such option.
+    """
+    for name, value in options.items():
+        if value is not None:
+            raise TypeError(
+                f"{what}: {name}= is not supported for a list, tuple or dict of tensors; "
+                f"call it on each tensor to use it"
             )
 
 

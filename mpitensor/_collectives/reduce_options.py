@@ -23,7 +23,7 @@ from .options import (
     scale_options,
 )
 
-__all__ = ["all_reduce_with_options", "refuse_structure"]
+__all__ = ["all_reduce_with_options"]
 
 
 def all_reduce_with_options(ctx: DistributedContext, source: Input, group: Group, reduce_op: ReduceOperation,
@@ -73,15 +73,3 @@ def all_reduce_with_options(ctx: DistributedContext, source: Input, group: Group
     collective = Op("all_reduce", group, array.nbytes, post, finish, record, (call, work, final), call.protections)
     return start(ctx, collective, result)
 
-
-def refuse_structure(out: Any) -> None:
-    """Raise for ``out=`` on a fused all-reduce (a list, tuple or dict): it has no one buffer.
-
-    Raises:
-        TypeError: `out` is given.
-    """
-    if out is not None:
-        raise TypeError(
-            "all_reduce: out= is not supported for a list, tuple or dict of tensors; "
-            "all-reduce them one by one to use it"
-        )
