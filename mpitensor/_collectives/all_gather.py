@@ -12,6 +12,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
+from .._transport import mpi
 from .common import CollectiveTensor, Later, context_for, follow, result_device, start, take_input
 from .gpu_host import staged
 from .grouped import grouped_all_gather, is_structure
@@ -127,14 +128,14 @@ class _Gather:
             self.later.value = output_tensor(out, target, self.device)
         else:  # the result is a view with the gathered axis moved back
             self.later.value = Tensor(np.moveaxis(gathered, 0, axis) if axis else gathered, self.device)
-        comm, datatype = self.group.comm, mpi_datatype(send.dtype)
+        datatype = mpi_datatype(send.dtype)
         if len(set(lengths)) == 1:
-            requests = [comm.Iallgather([send, datatype], [gathered, datatype])]
+            requests = mpi.all_gather(self.group, send, gathered, datatype)
         else:
             block = math.prod(rest)
             counts = [n * block for n in lengths]
             offsets = displacements(counts)
-            requests = [comm.Iallgatherv([send, datatype], [gathered, counts, offsets, datatype])]
+            requests = mpi.all_gatherv(self.group, send, gathered, counts, offsets, datatype)
         if target is not None:
             assert self.op is not None
             protect_output(self.op, out, target)

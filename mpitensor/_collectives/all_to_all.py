@@ -13,6 +13,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
+from .._transport import mpi
 from .common import (
     CollectiveTensor,
     Input,
@@ -78,12 +79,12 @@ def all_to_all(
     problem, _ = blocks_or_problem(array.shape, group.size, "all_to_all")
     received = output_buffer(ctx, out, array.shape, array.dtype, "all_to_all", (source.array, array))
     result = output_tensor(out, received, result_device(ctx, source))
-    comm, datatype = group.comm, mpi_datatype(array.dtype)
+    datatype = mpi_datatype(array.dtype)
 
     def post() -> list[Any]:
         if problem is not None:
             raise problem
-        requests = [comm.Ialltoall([array, datatype], [received, datatype])]
+        requests = mpi.all_to_all(group, array, received, datatype)
         protect_output(op, out, received)
         return requests
 
@@ -105,7 +106,7 @@ def _start_split(ctx: DistributedContext, source: Input, group: Group, splits: A
     row = math.prod(rest)
     send_counts = [n * row for n in rows]
     send_displs = displacements(send_counts)
-    later, device, comm, datatype = Later(), result_device(ctx, source), group.comm, mpi_datatype(array.dtype)
+    later, device, datatype = Later(), result_device(ctx, source), mpi_datatype(array.dtype)
     failure: list[Exception] = []
 
     def post(incoming: list[int]) -> list[Any]:
@@ -116,7 +117,7 @@ def _start_split(ctx: DistributedContext, source: Input, group: Group, splits: A
         later.value = output_tensor(None if failure else out, received, device)
         counts = [n * row for n in incoming]
         displs = displacements(counts)
-        requests = [comm.Ialltoallv([array, send_counts, send_displs, datatype], [received, counts, displs, datatype])]
+        requests = mpi.all_to_allv(group, array, send_counts, send_displs, received, counts, displs, datatype)
         if not failure:
             protect_output(op, out, received)
         return requests

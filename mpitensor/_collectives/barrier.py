@@ -5,6 +5,7 @@ from __future__ import annotations
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg, current_context
 from .._runtime.engine import Op
+from .._transport import mpi
 from .common import check_record
 
 __all__ = ["barrier"]
@@ -26,7 +27,7 @@ def barrier(devices: DevicesArg = None) -> None:
     ctx.ensure_usable()
     group = ctx.group(devices, "barrier")
     record = check_record(ctx, group, Record("barrier", None, None, None, -1, group.members))
-    op = Op("barrier", group, 0, post=lambda: [group.comm.Ibarrier()], record=record)
+    op = Op("barrier", group, 0, post=lambda: mpi.barrier(group), record=record)
     # A barrier blocks anyway: its whole wait, check included, counts against the timeout.
     ctx.engine.submit(op, grace=0)
     ctx.engine.wait(op, ctx.timeout)

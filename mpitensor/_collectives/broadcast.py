@@ -13,6 +13,7 @@ from .._core.interop import numpy_dtype
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
+from .._transport import mpi
 from .common import (
     CollectiveTensor,
     Input,
@@ -102,11 +103,11 @@ def _start(ctx: DistributedContext, group: Group, source: Input | None, root_at:
     if is_root and source is not None and source.buffer is not received:  # a root without a tensor raised above
         np.copyto(received, source.buffer)
     result = output_tensor(out, received, device)
-    comm, datatype = group.comm, mpi_datatype(out_dtype)
+    datatype = mpi_datatype(out_dtype)
 
     def post() -> list[Any]:
         index = group_root(group, root_at, "broadcast")
-        requests = [comm.Ibcast([received, datatype], root=index)]
+        requests = mpi.broadcast(group, received, datatype, index)
         protect_output(op, out, received)
         return requests
 

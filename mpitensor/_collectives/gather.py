@@ -12,6 +12,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Op
+from .._transport import mpi
 from .common import CollectiveTensor, Later, context_for, group_root, result_device, root_rank, start, take_input
 from .gpu_host import staged
 from .layout import axis_arg, displacements, to_front
@@ -59,20 +60,21 @@ def gather(
     record = Record("gather", None, array.dtype, template, root_at, group.members, per_rank=length, extra=axis)
     datatype = mpi_datatype(array.dtype)
     block = int(np.prod(rest, dtype=np.int64))
-    later, device, comm, is_root = Later(), result_device(ctx, source), group.comm, root_at == ctx.rank
+    later, device, is_root = Later(), result_device(ctx, source), root_at == ctx.rank
 
     def post(lengths: list[int]) -> list[Any]:
         index = group_root(group, root_at, "gather")
         uniform = len(set(lengths)) == 1
-        receive = None
+        gathered = counts = displs = None
         if is_root:  # gathered along the first axis; the result is a view with the axis moved back
             gathered = ctx.pool.empty((sum(lengths), *rest), array.dtype)
             later.value = Tensor(np.moveaxis(gathered, 0, axis) if axis else gathered, device)
-            counts = [n * block for n in lengths]
-            receive = [gathered, datatype] if uniform else [gathered, counts, displacements(counts), datatype]
+            if not uniform:
+                counts = [n * block for n in lengths]
+                displs = displacements(counts)
         if uniform:
-            return [comm.Igather([send, datatype], receive, root=index)]
-        return [comm.Igatherv([send, datatype], receive, root=index)]
+            return mpi.gather(group, send, gathered, datatype, index)
+        return mpi.gatherv(group, send, gathered, counts, displs, datatype, index)
 
     op = Op("gather", group, send.nbytes, post, lambda: later.value, record=record, keep=(send,),
             protections=protections, exchange=True, compare=ctx.config.check)

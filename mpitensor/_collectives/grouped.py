@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from .._core.config import ReduceOperation
-from .._core.dtypes import mpi_datatype, reduce_plan
+from .._core.dtypes import reduce_plan
 from .._core.tensor import wrap_array
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
+from .._transport import mpi
 from .common import Input, check_record, group_root, root_rank, start, take_input
 from .fused import describe_entries, flatten, plan_buckets, rebuild, structure_hash
 from .options import (
@@ -108,11 +109,9 @@ def grouped_all_gather(ctx: DistributedContext, structure: Any, axis: Any, devic
     groups = _by_dtype(buffers)
     sends = [_pack(ctx, buffers, members, dtype) for dtype, members in groups.items()]
     recvs = [ctx.pool.empty((n, send.size), send.dtype) for send in sends]
-    comm = group.comm
 
     def post() -> list[Any]:
-        return [comm.Iallgather([send, mpi_datatype(send.dtype)], [recv, mpi_datatype(send.dtype)])
-                for send, recv in zip(sends, recvs)]
+        return mpi.all_gather_each(group, sends, recvs)
 
     def finish() -> Any:
         for members, recv in zip(groups.values(), recvs):
@@ -161,11 +160,9 @@ def grouped_broadcast(ctx: DistributedContext, structure: Any, root: Any, device
             device = inputs[index].tensor.device if inputs[index].tensor is not None else ctx.cpu_device
             results[index] = wrap_array(buffer[offset : offset + size].reshape(buffers[index].shape), device)
             offset += size
-    comm = group.comm
 
     def post() -> list[Any]:
-        index = group_root(group, root_at, "broadcast")
-        return [comm.Ibcast([buffer, mpi_datatype(buffer.dtype)], root=index) for buffer in packed]
+        return mpi.broadcast_each(group, packed, group_root(group, root_at, "broadcast"))
 
     value = rebuild(structure, keys, results)
     record = _record(ctx, "grouped broadcast", None, root_at, group, keys, buffers)
@@ -226,13 +223,10 @@ def _start_reduce_scatter(ctx: DistributedContext, group: Group, structure: Any,
                           arrays: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]], results: list[Any],
                           factors: list[tuple[Any, Any]]) -> Any:
     sends, works, finals = arrays
-    comm, n = group.comm, group.size
+    n, plans = group.size, [bucket.plan for bucket in buckets]
 
     def post() -> list[Any]:
-        return [
-            comm.Ireduce_scatter_block([send, b.plan.datatype], [work, b.plan.datatype], b.plan.mpi_op)
-            for b, send, work in zip(buckets, sends, works)
-        ]
+        return mpi.reduce_scatter_block_each(group, sends, works, plans)
 
     def finish() -> Any:
         for bucket, work, final in zip(buckets, works, finals):

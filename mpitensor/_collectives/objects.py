@@ -20,6 +20,7 @@ from .._core.dtypes import mpi_datatype
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Group, Op
+from .._transport import mpi
 from .common import CollectiveTensor, Later, context_for, group_root, root_rank, start
 from .layout import displacements
 
@@ -50,13 +51,13 @@ def broadcast_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = 
     root_at = root_rank(ctx, root)
     # A writable copy on the root: MPI_Ibcast's buffer is the receive buffer elsewhere.
     payload = _pickled(obj).copy() if root_at == ctx.rank else np.empty(0, _BYTE)
-    later, comm, datatype = Later(), group.comm, mpi_datatype(_BYTE)
+    later, datatype = Later(), mpi_datatype(_BYTE)
 
     def post(sizes: list[int]) -> list[Any]:
         index = group_root(group, root_at, "broadcast_object")
         buffer = payload if index == group.rank else np.empty(sizes[index], _BYTE)
         later.value = buffer
-        return [comm.Ibcast([buffer, datatype], root=index)]
+        return mpi.broadcast(group, buffer, datatype, index)
 
     return _start(ctx, group, "broadcast_object", payload, root_at, post, lambda: pickle.loads(later.value))
 
@@ -78,12 +79,11 @@ def all_gather_object(obj: Any, *, devices: DevicesArg = None) -> CollectiveTens
     ctx = context_for("all_gather_object")
     group = ctx.group(devices, "all_gather_object")
     payload = _pickled(obj)
-    later, comm, datatype = Later(), group.comm, mpi_datatype(_BYTE)
+    later, datatype = Later(), mpi_datatype(_BYTE)
 
     def post(sizes: list[int]) -> list[Any]:
         later.value = (np.empty(sum(sizes), _BYTE), sizes)
-        received = [later.value[0], sizes, displacements(sizes), datatype]
-        return [comm.Iallgatherv([payload, datatype], received)]
+        return mpi.all_gatherv(group, payload, later.value[0], sizes, displacements(sizes), datatype)
 
     return _start(ctx, group, "all_gather_object", payload, -1, post, lambda: _unpickled(*later.value))
 
@@ -109,15 +109,16 @@ def gather_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = Non
     group = ctx.group(devices, "gather_object")
     root_at = root_rank(ctx, root)
     payload = _pickled(obj)
-    later, comm, datatype = Later(), group.comm, mpi_datatype(_BYTE)
+    later, datatype = Later(), mpi_datatype(_BYTE)
 
     def post(sizes: list[int]) -> list[Any]:
         index = group_root(group, root_at, "gather_object")
-        received = None
+        gathered = displs = None
         if index == group.rank:
-            later.value = (np.empty(sum(sizes), _BYTE), sizes)
-            received = [later.value[0], sizes, displacements(sizes), datatype]
-        return [comm.Igatherv([payload, datatype], received, root=index)]
+            gathered = np.empty(sum(sizes), _BYTE)
+            later.value = (gathered, sizes)
+            displs = displacements(sizes)
+        return mpi.gatherv(group, payload, gathered, sizes, displs, datatype, index)
 
     def finish() -> list[Any] | None:
         return None if later.value is None else _unpickled(*later.value)

@@ -20,6 +20,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import dtype_code, dtype_from_code
 from .._runtime.context import DistributedContext
 from .._runtime.engine import Op
+from .._transport import mpi
 from .common import CollectiveTensor, Later, context_for, follow, result_device, root_rank, start, take_input
 from .gpu_host import staged
 from .gpu_staged import received_on_gpu
@@ -87,10 +88,11 @@ def send(input: Any, dest: int | Device, *, tag: int = 0) -> CollectiveTensor:  
     protections = source.guard(ctx)
     data = source.buffer
     header = _header(data.shape, data.dtype)
-    comm, datatype = ctx.p2p_group.comm, mpi_datatype(data.dtype)
+    channel, datatype = ctx.p2p_group, mpi_datatype(data.dtype)
 
     def post() -> list[Any]:
-        return [comm.Isend(header, peer, 2 * tag), comm.Isend([data, datatype], peer, 2 * tag + 1)]
+        return [mpi.send(channel, header, None, peer, 2 * tag),
+                mpi.send(channel, data, datatype, peer, 2 * tag + 1)]
 
     op = Op(
         f"send to rank {peer}",
@@ -112,8 +114,8 @@ class _Receive:
         self.ctx, self.peer, self.tag, self.expect, self.device, self.later = ctx, peer, tag, expect, device, later
         self.out, self.guard = out, guard  # the caller's out=, and how to protect it once posted
         self.header = np.empty(_HEADER, np.int64)
-        self.comm = ctx.p2p_group.comm
-        self.header_req = self.comm.Irecv(self.header, peer, 2 * tag)
+        self.channel = ctx.p2p_group
+        self.header_req = mpi.recv(self.channel, self.header, None, peer, 2 * tag)
         self.data_req: Any = None
         self.error: Exception | None = None
         self.data: np.ndarray | None = None
@@ -134,7 +136,7 @@ class _Receive:
             # The data is received in full even on a mismatch, so no message is left behind.
             target = self._target(shape, dtype)
             self.data = target if target is not None else self.ctx.pool.empty(shape, dtype)
-            self.data_req = self.comm.Irecv([self.data, mpi_datatype(dtype)], self.peer, 2 * self.tag + 1)
+            self.data_req = mpi.recv(self.channel, self.data, mpi_datatype(dtype), self.peer, 2 * self.tag + 1)
             if target is not None:
                 self.guard(target)
             if self.error is None:

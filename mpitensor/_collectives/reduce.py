@@ -10,6 +10,7 @@ from .._core.dtypes import reduce_plan
 from .._core.tensor import Tensor
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
+from .._transport import mpi
 from .common import (
     CollectiveTensor,
     Input,
@@ -101,12 +102,11 @@ def _start(ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, g
         out, work, final = None, None, None
     send, protections = prescaled_input(ctx, source, plan, pre)
     result = output_tensor(out, final, result_device(ctx, source)) if final is not None else None
-    comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
+    datatype, mpi_op, size = plan.datatype, plan.mpi_op, group.size
 
     def post() -> list[Any]:
         index = group_root(group, root_at, "reduce")
-        recv = [work, datatype] if work is not None else None
-        requests = [comm.Ireduce([send, datatype], recv, mpi_op, root=index)]
+        requests = mpi.reduce(group, send, work, datatype, mpi_op, index)
         protect_output(collective, out, final)
         return requests
 

@@ -11,6 +11,7 @@ from .._core.dtypes import reduce_plan
 from .._core.tensor import Tensor
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
+from .._transport import mpi
 from .common import CollectiveTensor, Input, check_record, context_for, follow, result_device, start, take_input
 from .gpu_host import staged
 from .grouped import grouped_reduce_scatter, is_structure
@@ -105,17 +106,17 @@ def _start(ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, g
     work, final = reduction_outputs(ctx, out, block_shape, plan, "reduce_scatter", (array,))
     send, protections = prescaled_input(ctx, source, plan, pre)
     result = output_tensor(out, final, result_device(ctx, source))
-    comm, datatype, mpi_op, size = group.comm, plan.datatype, plan.mpi_op, group.size
+    datatype, mpi_op, size = plan.datatype, plan.mpi_op, group.size
     row = math.prod(array.shape[1:])
 
     def post() -> list[Any]:
         if problem is not None:
             raise problem
         if rows is None:
-            requests = [comm.Ireduce_scatter_block([send, datatype], [work, datatype], mpi_op)]
+            requests = mpi.reduce_scatter_block(group, send, work, datatype, mpi_op)
         else:
             recvcounts = [n * row for n in rows]
-            requests = [comm.Ireduce_scatter([send, datatype], [work, datatype], recvcounts, mpi_op)]
+            requests = mpi.reduce_scatter(group, send, work, recvcounts, datatype, mpi_op)
         protect_output(collective, out, final)
         return requests
 

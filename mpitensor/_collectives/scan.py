@@ -20,6 +20,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Op
+from .._transport import mpi
 from .common import (
     CollectiveTensor,
     check_record,
@@ -104,12 +105,12 @@ def _prefix(kind: str, input: Any, op: Any, devices: DevicesArg) -> CollectiveTe
     result = Tensor(final, result_device(ctx, source))
     exclusive = kind == "exscan"
     covered = group.rank if exclusive else group.rank + 1  # ranks the prefix reduces
-    comm, datatype, mpi_op = group.comm, plan.datatype, plan.mpi_op
+    datatype, mpi_op = plan.datatype, plan.mpi_op
 
     def post() -> list[Any]:
         if exclusive:
-            return [comm.Iexscan([send, datatype], [out, datatype], mpi_op)]
-        return [comm.Iscan([send, datatype], [out, datatype], mpi_op)]
+            return mpi.exscan(group, send, out, datatype, mpi_op)
+        return mpi.scan(group, send, out, datatype, mpi_op)
 
     def finish() -> Tensor:
         if covered:

@@ -13,6 +13,7 @@ from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Op
+from .._transport import mpi
 from .common import CollectiveTensor, check_record, context_for, group_root, result_device, root_rank, start, take_input
 from .gpu_host import staged
 from .layout import axis_arg, displacements, to_front
@@ -65,15 +66,15 @@ def scatter(
     blocks = _blocks(whole[axis], group.size, counts)
     out, result = _receive(ctx, source, whole, whole_dtype, axis, blocks[group.rank])
     send, protections = _send_buffer(ctx, source if is_root else None, axis)
-    datatype, comm, uniform = mpi_datatype(whole_dtype), group.comm, counts is None
+    datatype, uniform = mpi_datatype(whole_dtype), counts is None
     elements = [n * int(np.prod(out.shape[1:], dtype=np.int64)) for n in blocks]
 
     def post() -> list[Any]:
         index = group_root(group, root_at, "scatter")
         if uniform:
-            return [comm.Iscatter(None if send is None else [send, datatype], [out, datatype], root=index)]
-        spec = None if send is None else [send, elements, displacements(elements), datatype]
-        return [comm.Iscatterv(spec, [out, datatype], root=index)]
+            return mpi.scatter(group, send, out, datatype, index)
+        displs = None if send is None else displacements(elements)
+        return mpi.scatterv(group, send, elements, displs, out, datatype, index)
 
     record = _record(whole_dtype, whole, root_at, group.members, axis, counts)
     op = Op("scatter", group, out.nbytes, post, lambda: result, record=check_record(ctx, group, record),

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from .._core.mpi import MPI
-from .base import ReduceCall
-from .reduction import reduction_buffers, reduction_input
+from ..._core.mpi import MPI
+from ..base import ReduceCall
+from ..reduction import reduction_buffers, reduction_input
 
 __all__ = ["SMALL_BYTES", "InPlace", "Plain"]
 

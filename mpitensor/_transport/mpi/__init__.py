@@ -1,0 +1,39 @@
+"""MPI's own data movement: the only place the collectives' data MPI calls are made.
+
+- `all_reduce`: the all-reduce as transports (`InPlace` for small messages, `Plain` the
+  catch-all that ends every all-reduce's list in `select`).
+- `rooted`: one rank sends to the group or receives from it (broadcast, reduce, gather,
+  scatter).
+- `symmetric`: every rank sends and receives alike (all-gather, all-to-all, reduce-scatter,
+  scan, barrier).
+- `p2p`: point-to-point messages.
+
+The collectives with one way to move their data call these functions from their ``post``
+(they take a `Channel`, the buffers, datatypes and counts, and return the MPI requests);
+an operation with several ways to move its data has `Transport` objects chosen by `select`.
+"""
+
+from __future__ import annotations
+
+from .all_reduce import SMALL_BYTES, InPlace, Plain
+from .p2p import recv, send
+from .rooted import broadcast, broadcast_each, gather, gatherv, reduce, scatter, scatterv
+from .symmetric import (
+    all_gather,
+    all_gather_each,
+    all_gatherv,
+    all_to_all,
+    all_to_allv,
+    barrier,
+    exscan,
+    reduce_scatter,
+    reduce_scatter_block,
+    reduce_scatter_block_each,
+    scan,
+)
+
+__all__ = [
+    "SMALL_BYTES", "InPlace", "Plain", "all_gather", "all_gather_each", "all_gatherv", "all_to_all", "all_to_allv",
+    "barrier", "broadcast", "broadcast_each", "exscan", "gather", "gatherv", "recv", "reduce", "reduce_scatter",
+    "reduce_scatter_block", "reduce_scatter_block_each", "scan", "scatter", "scatterv", "send",
+]
