@@ -127,3 +127,56 @@ def test_without_cupy_every_gpu_check_fails(tmp_path):
     assert not [line for line in lines if line.startswith(("PASS", "SKIP"))], result.output
     assert any(line.startswith("TOTAL FAILED: 0 passed, ") for line in lines), result.output
     assert "CuPy cannot be imported" in result.stdout
+
+
+_LOPSIDED = """
+import sys, time
+sys.path.insert(0, {scripts!r})
+import numpy as np
+import mpitensor as mt
+import gpu_smoke as smoke
+from smoke_runner import run_all
+from mpitensor._core.mpi import MPI, ensure_initialized
+
+mt.defer_finalize()
+ensure_initialized()
+
+
+def gives_up(env):
+    with env.context() as ctx:
+        if ctx.rank == 1:
+            raise ValueError("rank 1 gives up before the call")
+        return mt.all_reduce(np.ones(3)).resolve(timeout=10)
+
+
+def never_calls(env):
+    with env.context() as ctx:
+        if ctx.rank == 1:
+            time.sleep(3)
+            return "slept"
+        return mt.all_reduce(np.ones(3)).resolve(timeout=1)
+
+
+def after(env):
+    with env.context() as ctx:
+        return str(mt.all_reduce(np.ones(3)).resolve(timeout=10).numpy().tolist())
+
+
+rank = MPI.COMM_WORLD.Get_rank()
+checks = [("gives up", gives_up), ("never calls", never_calls), ("after", after)]
+sys.exit(run_all(checks, smoke.Env(cpu=True), limit=20, allgather=MPI.COMM_WORLD.allgather,
+                 emit=print if rank == 0 else None))
+"""
+
+
+@pytest.mark.subprocess
+def test_a_check_one_rank_leaves_or_never_joins_fails_and_the_next_check_works(tmp_path):
+    result = run_job(_LOPSIDED.format(scripts=str(ROOT / "scripts")), 2, timeout=90, tmp_path=tmp_path)
+    assert result.returncode != 0, result.output
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL", "SKIP", "TOTAL"))]
+    assert len(lines) == 4, result.output
+    assert lines[0].startswith("FAIL gives up (") and "rank 1: ValueError: rank 1 gives up" in lines[0], lines[0]
+    assert "rank 0: CollectiveMismatchError" in lines[0], lines[0]
+    assert lines[1].startswith("FAIL never calls (") and "rank 0: CollectiveTimeoutError" in lines[1], lines[1]
+    assert lines[2].startswith("PASS after (") and lines[2].endswith("): [2.0, 2.0, 2.0]"), lines[2]
+    assert lines[3].startswith("TOTAL FAILED: 1 passed, 2 failed, 0 skipped of 3 checks")
