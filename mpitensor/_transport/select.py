@@ -3,17 +3,20 @@
 `base.select` runs the first whose ``applies(call)`` is True, so a list ends with a
 transport that takes everything. Small all-reduces stay on MPI whatever the settings (a
 copy of the input is cheaper than anything else at that size); large host ones go through
-node peers' shared memory where it applies.
+node peers' shared memory where it applies. A GPU tensor staged into pinned memory takes
+shared memory where a host input of its size would (so every rank runs the same algorithm),
+else MPI reduces the pinned copy in place.
 """
 
 from __future__ import annotations
 
 from .base import Transport
-from .mpi import InPlace, Plain
+from .mpi import InPlace, OnCopy, Plain
 from .shm import SharedMemory
 
-__all__ = ["ALL_REDUCE", "PLAIN", "SHARED_MEMORY"]
+__all__ = ["ALL_REDUCE", "PLAIN", "SHARED_MEMORY", "STAGED_ALL_REDUCE"]
 
 SHARED_MEMORY = SharedMemory()
 PLAIN = Plain()
 ALL_REDUCE: tuple[Transport, ...] = (InPlace(), SHARED_MEMORY, PLAIN)
+STAGED_ALL_REDUCE: tuple[Transport, ...] = (SHARED_MEMORY, OnCopy())

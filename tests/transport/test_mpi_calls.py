@@ -21,12 +21,10 @@ import mpitensor
 PACKAGE = Path(mpitensor.__file__).parent
 CHECKED = ("_collectives", "torch")
 
-# Files of `_collectives/` that still post data MPI calls themselves, until their paths move
+# Files of `_collectives/` that still post data MPI calls themselves, until their calls move
 # under `_transport/`. Each entry must still make such a call (see the last test), so that the
 # list shrinks as they move.
-GPU_PATHS_NOT_YET_MOVED = ("_collectives/gpu_staged.py",)
-FUSED_ALL_REDUCE_NOT_YET_MOVED = ("_collectives/fused.py",)
-NOT_YET_MOVED = GPU_PATHS_NOT_YET_MOVED + FUSED_ALL_REDUCE_NOT_YET_MOVED
+NOT_YET_MOVED = ("_collectives/fused.py",)
 
 _NONBLOCKING = re.compile(r"I[a-z][a-z_]*")
 _NOT_DATA = frozenset({"Info", "Intercomm", "Intracomm"})  # mpi4py classes, not calls

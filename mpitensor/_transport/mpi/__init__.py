@@ -1,7 +1,8 @@
 """MPI's own data movement: the only place the collectives' data MPI calls are made.
 
 - `all_reduce`: the all-reduce as transports (`InPlace` for small messages, `Plain` the
-  catch-all that ends every all-reduce's list in `select`).
+  catch-all that ends every host all-reduce's list in `select`, `OnCopy` in place on a
+  staged GPU copy), and `all_reduce_buffers` for device buffers.
 - `rooted`: one rank sends to the group or receives from it (broadcast, reduce, gather,
   scatter).
 - `symmetric`: every rank sends and receives alike (all-gather, all-to-all, reduce-scatter,
@@ -15,7 +16,7 @@ an operation with several ways to move its data has `Transport` objects chosen b
 
 from __future__ import annotations
 
-from .all_reduce import SMALL_BYTES, InPlace, Plain
+from .all_reduce import SMALL_BYTES, InPlace, OnCopy, Plain, all_reduce_buffers
 from .p2p import recv, send
 from .rooted import broadcast, broadcast_each, gather, gatherv, reduce, scatter, scatterv
 from .symmetric import (
@@ -33,7 +34,8 @@ from .symmetric import (
 )
 
 __all__ = [
-    "SMALL_BYTES", "InPlace", "Plain", "all_gather", "all_gather_each", "all_gatherv", "all_to_all", "all_to_allv",
-    "barrier", "broadcast", "broadcast_each", "exscan", "gather", "gatherv", "recv", "reduce", "reduce_scatter",
-    "reduce_scatter_block", "reduce_scatter_block_each", "scan", "scatter", "scatterv", "send",
+    "SMALL_BYTES", "InPlace", "OnCopy", "Plain", "all_gather", "all_gather_each", "all_gatherv", "all_reduce_buffers",
+    "all_to_all", "all_to_allv", "barrier", "broadcast", "broadcast_each", "exscan", "gather", "gatherv", "recv",
+    "reduce", "reduce_scatter", "reduce_scatter_block", "reduce_scatter_block_each", "scan", "scatter", "scatterv",
+    "send",
 ]
