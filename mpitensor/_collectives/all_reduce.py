@@ -17,7 +17,7 @@ from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall, select
 from .._transport.mpi import SMALL_BYTES
 from .._transport.reduction import finish_reduction
-from .._transport.select import ALL_REDUCE
+from .._transport.select import ALL_REDUCE, IN_CHECK
 from .common import PLAIN_DTYPES, CollectiveTensor, Input, context_for, follow, result_device, take_input
 from .fused import fused_all_reduce
 from .gpu_host import staged
@@ -80,11 +80,14 @@ def all_reduce(
     if out is not None or prescale_factor is not None or postscale_factor is not None:
         return all_reduce_with_options(ctx, source, group, reduce_op, out, (prescale_factor, postscale_factor))
     call = ReduceCall(ctx, group, source, reduce_plan(reduce_op, source.buffer.dtype), source.array.nbytes)
-    select(ALL_REDUCE, call).prepare(call)
+    transport = select(ALL_REDUCE, call)
+    transport.prepare(call)
     array = source.array
     checked = ctx.config.check and group.size > 1
     record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members) if checked else None
-    collective = Op("all_reduce", group, call.nbytes, call.start, _finish(call), record, (call,), call.protections)
+    payload = IN_CHECK.payload(call) if transport is IN_CHECK else None
+    collective = Op("all_reduce", group, call.nbytes, call.start, _finish(call), record, (call,), call.protections,
+                    payload=payload)
     ctx.engine.submit(collective)
     return CollectiveTensor(collective, wrap_array(call.final, result_device(ctx, source)), ctx)
 

@@ -2,7 +2,9 @@
 
 Every collective becomes an `Op`. With the consistency check on, the op first posts a small
 non-blocking exchange on its group's *check* communicator; when that completes and agrees,
-it posts its data operation on the group's *data* communicator. Data operations must be
+it posts its data operation on the group's *data* communicator. In groups of up to
+`INLINE_RANKS` ranks the check is an all-gather of one row per rank, and an op may carry its
+whole input in its row (a small all-reduce): it then posts no data operation at all. Data operations must be
 posted in the same order on every rank, so each group keeps a FIFO of ops whose data is not
 posted yet, and only the head may post. Checks and data use different communicators, so an
 op whose check is late never reorders the data of the ops behind it.
@@ -26,6 +28,7 @@ import numpy as np
 from .._core.errors import CollectiveTimeoutError, ContextBrokenError
 from .._core.mpi import MPI
 from .._transport.base import Stepper
+from .._transport.inline import INLINE_RANKS, PAYLOAD_WORDS
 from .check import (
     ABANDON,
     ABANDONED_KIND,
@@ -53,7 +56,7 @@ FAILED = 4  # the check found a mismatch; nothing was sent
 
 _STATE_NAMES = ("checking", "queued", "posted", "complete", "failed")
 
-# Stages of a check: the agreement all-reduce on the check communicator; then, on the
+# Stages of a check: the agreement exchange on the check communicator; then, on the
 # detail communicator and only when needed, the per-rank values (all_gatherv's lengths,
 # or all_to_all's swapped counts),
 # or the sizes and then the bytes of every rank's full record (a mismatch).
@@ -61,6 +64,8 @@ _AGREE, _PER_RANK, _DETAIL_SIZES, _DETAIL = 1, 2, 3, 4
 
 _REAP_AFTER = 64  # posted ops beyond which each new one reaps the oldest completed ones
 _MAX_POSTED = 256  # posted ops beyond which a new one waits for the oldest
+# A gathered check row: the agreement hash, the per-rank value, then the payload.
+_ROW_WORDS = 2 + PAYLOAD_WORDS
 
 
 def _unpack_details(data: np.ndarray, sizes: list[int]) -> list[dict[str, Any]]:
@@ -84,7 +89,8 @@ class Group:
     """
 
     __slots__ = (
-        "check_comm", "check_seq", "comm", "detail_comm", "extra", "holder", "members", "queue", "rank", "size",
+        "check_comm", "check_seq", "comm", "detail_comm", "extra", "gathers", "holder", "members", "queue", "rank",
+        "size",
     )
 
     def __init__(self, members: tuple[int, ...], comm: Any, check_comm: Any, detail_comm: Any = None) -> None:
@@ -94,6 +100,8 @@ class Group:
         self.detail_comm = detail_comm if detail_comm is not None else MPI.COMM_NULL
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # Every member agrees on the size, so all of them post the same kind of check.
+        self.gathers = self.size <= INLINE_RANKS
         self.queue: deque[Op] = deque()
         self.check_seq = 0  # checks posted on check_comm so far
         self.extra: dict[str, Any] = {}  # per-group caches of the fast paths
@@ -138,6 +146,10 @@ class Op:
             counts of ``all_to_all`` with splits), in group order.
         compare: compare the records (the consistency check); with `exchange` alone the
             per-rank values are only exchanged.
+        payload: bytes (at most ``PAYLOAD_BYTES``) to carry in the check's row, in a group
+            whose checks gather rows; once the check passes, `post` receives every member's
+            payload (an int64 array of one row of ``PAYLOAD_WORDS`` per member, in group
+            order) instead of a data operation being needed.
     """
 
     __slots__ = (
@@ -155,6 +167,7 @@ class Op:
         "keep",
         "name",
         "nbytes",
+        "payload",
         "post",
         "protections",
         "record",
@@ -177,6 +190,7 @@ class Op:
         protections: tuple[Protection, ...] = (),
         exchange: bool | np.ndarray = False,
         compare: bool = True,
+        payload: np.ndarray | None = None,
     ) -> None:
         self.name = name
         self.group = group
@@ -188,6 +202,7 @@ class Op:
         self.protections = protections
         self.exchange = exchange
         self.compare = compare and record is not None
+        self.payload = payload
         self.requests: list[Any] = []
         self.stepper: Stepper | None = None
         self.state = QUEUED
@@ -312,13 +327,24 @@ class Engine:
         self.checks_posted += 1
         record = op.record
         assert record is not None
-        # Every check has this one shape, whatever the collective, so that two different
-        # collectives meet as a mismatch rather than as mismatched MPI calls.
+        # Every check of a group has one shape, whatever the collective (and whether it
+        # carries a payload), so that two different collectives meet as a mismatch rather
+        # than as mismatched MPI calls.
         value = record.check_value() if op.compare else 0
         per_rank = record.per_rank
-        op.check_send = np.array([value, -value, per_rank, -per_rank], np.int64)
-        op.check_recv = np.empty(4, np.int64)
-        op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
+        if group.gathers:
+            row = op.check_send = np.zeros(_ROW_WORDS, np.int64)
+            row[0] = value
+            row[1] = per_rank
+            payload = op.payload
+            if payload is not None:
+                row.view(np.uint8)[16 : 16 + payload.size] = payload
+            op.check_recv = np.empty((group.size, _ROW_WORDS), np.int64)
+            op.check_req = group.check_comm.Iallgather(row, op.check_recv)
+        else:
+            op.check_send = np.array([value, -value, per_rank, -per_rank], np.int64)
+            op.check_recv = np.empty(4, np.int64)
+            op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
         op.check_stage = _AGREE
 
     def _advance_check(self, op: Op) -> bool:
@@ -331,9 +357,14 @@ class Engine:
         stage = op.check_stage
         received = op.check_recv
         if stage == _AGREE:
-            low, high = int(received[0]), -int(received[1])
+            if group.gathers:
+                hashes, values = received[:, 0].tolist(), received[:, 1].tolist()
+                low, high, shortest, longest = min(hashes), max(hashes), min(values), max(values)
+            else:
+                low, high = int(received[0]), -int(received[1])
+                shortest, longest = int(received[2]), -int(received[3])
             if low == CLOSING and high != CLOSING:
-                self._met_departure(op, -int(received[2]) - 1)
+                self._met_departure(op, -shortest - 1)
                 return True
             if low != high or low == ABANDON:
                 self._gather_detail_sizes(op)
@@ -341,7 +372,10 @@ class Engine:
             if low == FAILED_CALL:  # every rank's call failed on that rank, and each raised there
                 self._fail(op)
                 return True
-            shortest, longest = int(received[2]), -int(received[3])
+            if op.payload is not None:
+                op.gathered = received[:, 2:]
+                self._check_passed(op)
+                return True
             if op.exchange is not False and op.exchange is not True:
                 # Counts to swap: posted on the detail communicator, in call order, like
                 # every later stage, so the data that depends on them keeps its order.
@@ -350,6 +384,10 @@ class Engine:
                 op.check_req = group.detail_comm.Ialltoall(op.check_send, op.check_recv)
                 op.check_stage = _PER_RANK
                 return False
+            if op.exchange and shortest != longest and group.gathers:
+                op.gathered = values  # every member's value came with the check
+                self._check_passed(op)
+                return True
             if op.exchange and shortest != longest:
                 # The per-rank values differ (all_gatherv's lengths): gather them. Posted on
                 # the detail communicator, in call order, like every later stage.
@@ -425,7 +463,7 @@ class Engine:
 
     def _post_data(self, op: Op) -> None:
         try:
-            started = op.post(op.gathered) if op.exchange is not False else op.post()
+            started = op.post(op.gathered) if op.exchange is not False or op.payload is not None else op.post()
         except MPI.Exception as exc:
             message = f"MPI failed to start {op.describe()}: {exc}"
             self.ctx.mark_broken(message)

@@ -103,9 +103,14 @@ class ReduceCall:
         self.decoded = False
         self.extra: Any = None
 
-    def start(self) -> list[Any] | Stepper:
-        """Start the chosen transport's data movement (the engine calls it as the op's ``post``)."""
-        return self.transport.start(self)
+    def start(self, *gathered: Any) -> list[Any] | Stepper:
+        """Start the chosen transport's data movement (the engine calls it as the op's ``post``).
+
+        Args:
+            gathered: what the engine hands an op that carries a payload in its check (the
+                gathered payloads, for `inline.InCheck`); nothing otherwise.
+        """
+        return self.transport.start(self, *gathered)
 
 
 class PrivateCopy:

@@ -1,7 +1,8 @@
 """Which transports each operation may use, in the order they are tried.
 
 `base.select` runs the first whose ``applies(call)`` is True, so a list ends with a
-transport that takes everything. Small all-reduces stay on MPI whatever the settings (a
+transport that takes everything. The smallest checked all-reduces of small groups travel in
+their consistency check (`inline`); other small all-reduces stay on MPI whatever the settings (a
 copy of the input is cheaper than anything else at that size); large host ones go through
 node peers' shared memory where it applies.
 """
@@ -9,11 +10,13 @@ node peers' shared memory where it applies.
 from __future__ import annotations
 
 from .base import Transport
+from .inline import InCheck
 from .mpi import InPlace, Plain
 from .shm import SharedMemory
 
-__all__ = ["ALL_REDUCE", "PLAIN", "SHARED_MEMORY"]
+__all__ = ["ALL_REDUCE", "IN_CHECK", "PLAIN", "SHARED_MEMORY"]
 
 SHARED_MEMORY = SharedMemory()
 PLAIN = Plain()
-ALL_REDUCE: tuple[Transport, ...] = (InPlace(), SHARED_MEMORY, PLAIN)
+IN_CHECK = InCheck()
+ALL_REDUCE: tuple[Transport, ...] = (IN_CHECK, InPlace(), SHARED_MEMORY, PLAIN)
