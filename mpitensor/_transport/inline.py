@@ -39,12 +39,14 @@ class InCheck:
         agreed on by the ranks (group size, configuration, shape, dtype and op), so every
         rank of a matched call chooses alike; a mismatched call is caught by the check first.
         """
+        # The configuration first: with the check off this is all the cost.
+        if not call.ctx.config.check or call.nbytes > PAYLOAD_BYTES << 3:
+            return False
         plan = call.plan
         return (
             call.source.array.size * plan.work_dtype.itemsize <= PAYLOAD_BYTES
             and 1 < call.group.size <= INLINE_RANKS
             and not plan.rounds_back
-            and call.ctx.config.check
         )
 
     def prepare(self, call: ReduceCall) -> None:
