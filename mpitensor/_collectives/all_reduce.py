@@ -85,7 +85,7 @@ def all_reduce(
     array = source.array
     checked = ctx.config.check and group.size > 1
     record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members) if checked else None
-    payload = IN_CHECK.payload(call) if transport is IN_CHECK else None
+    payload = call.send if transport is IN_CHECK else None
     collective = Op("all_reduce", group, call.nbytes, call.start, _finish(call), record, (call,), call.protections,
                     payload=payload)
     ctx.engine.submit(collective)

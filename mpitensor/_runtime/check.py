@@ -82,7 +82,8 @@ KIND_CODES = {name: code for code, name in KIND_NAMES.items()}
 ABANDONED_KIND = KIND_NAMES[15]
 CLOSE_KIND = KIND_NAMES[10]
 
-_OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOperation)}
+# Keyed by the member's id: hashing an Enum member runs Python code, on every checked call.
+_OP_CODES = {id(op): i + 1 for i, op in enumerate(ReduceOperation)}
 
 _DTYPE_LIST = [
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -210,7 +211,7 @@ class Record:
         """
         value = (
             KIND_CODES[self.kind],
-            0 if self.op is None else _OP_CODES[self.op],
+            0 if self.op is None else _OP_CODES[id(self.op)],
             dtype_code(self.dtype),
             (-1,) if self.shape is None else self.shape,
             self.root,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
 import threading
 import time
 from collections import deque
@@ -28,7 +29,7 @@ import numpy as np
 from .._core.errors import CollectiveTimeoutError, ContextBrokenError
 from .._core.mpi import MPI
 from .._transport.base import Stepper
-from .._transport.inline import INLINE_RANKS, PAYLOAD_WORDS
+from .._transport.inline import HEADER_BYTES, INLINE_RANKS, PAYLOAD_BYTES, ROW_BYTES
 from .check import (
     ABANDON,
     ABANDONED_KIND,
@@ -64,8 +65,25 @@ _AGREE, _PER_RANK, _DETAIL_SIZES, _DETAIL = 1, 2, 3, 4
 
 _REAP_AFTER = 64  # posted ops beyond which each new one reaps the oldest completed ones
 _MAX_POSTED = 256  # posted ops beyond which a new one waits for the oldest
-# A gathered check row: the agreement hash, the per-rank value, then the payload.
-_ROW_WORDS = 2 + PAYLOAD_WORDS
+# A gathered check row: the agreement hash and the per-rank value, then the payload.
+_HEADER = struct.Struct("=qq")
+assert _HEADER.size == HEADER_BYTES
+_NO_PAYLOAD = bytes(PAYLOAD_BYTES)
+_ROW_WORDS = ROW_BYTES // 8
+
+
+def _row_extremes(rows: bytearray) -> tuple[int, int, int, int]:
+    """The least and greatest agreement hash and per-rank value of gathered check rows."""
+    first = rows[:HEADER_BYTES]
+    for offset in range(ROW_BYTES, len(rows), ROW_BYTES):
+        if not rows.startswith(first, offset):
+            break
+    else:  # the usual case: every row says the same
+        value, per_rank = _HEADER.unpack(first)
+        return value, value, per_rank, per_rank
+    words = memoryview(rows).cast("q")
+    hashes, values = words[::_ROW_WORDS].tolist(), words[1::_ROW_WORDS].tolist()
+    return min(hashes), max(hashes), min(values), max(values)
 
 
 def _unpack_details(data: np.ndarray, sizes: list[int]) -> list[dict[str, Any]]:
@@ -146,10 +164,10 @@ class Op:
             counts of ``all_to_all`` with splits), in group order.
         compare: compare the records (the consistency check); with `exchange` alone the
             per-rank values are only exchanged.
-        payload: bytes (at most ``PAYLOAD_BYTES``) to carry in the check's row, in a group
+        payload: exactly ``PAYLOAD_BYTES`` bytes to carry in the check's row, in a group
             whose checks gather rows; once the check passes, `post` receives every member's
-            payload (an int64 array of one row of ``PAYLOAD_WORDS`` per member, in group
-            order) instead of a data operation being needed.
+            row (a bytearray of ``ROW_BYTES`` per member, in group order) instead of a data
+            operation being needed.
     """
 
     __slots__ = (
@@ -190,7 +208,7 @@ class Op:
         protections: tuple[Protection, ...] = (),
         exchange: bool | np.ndarray = False,
         compare: bool = True,
-        payload: np.ndarray | None = None,
+        payload: bytes | None = None,
     ) -> None:
         self.name = name
         self.group = group
@@ -306,7 +324,8 @@ class Engine:
                         op.state = QUEUED
                     group.queue.append(op)
                     self.waiting_groups.add(group)
-                    self._pump(group)
+                    if op.state != CHECKING or group.queue[0] is not op:
+                        self._pump(group)  # else _wait_check pumps, once the check had time to meet
                 except MPI.Exception as exc:
                     raise self.mpi_failed(exc, op) from exc
         if direct:
@@ -333,14 +352,10 @@ class Engine:
         value = record.check_value() if op.compare else 0
         per_rank = record.per_rank
         if group.gathers:
-            row = op.check_send = np.zeros(_ROW_WORDS, np.int64)
-            row[0] = value
-            row[1] = per_rank
             payload = op.payload
-            if payload is not None:
-                row.view(np.uint8)[16 : 16 + payload.size] = payload
-            op.check_recv = np.empty((group.size, _ROW_WORDS), np.int64)
-            op.check_req = group.check_comm.Iallgather(row, op.check_recv)
+            op.check_send = _HEADER.pack(value, per_rank) + (_NO_PAYLOAD if payload is None else payload)
+            op.check_recv = bytearray(ROW_BYTES * group.size)
+            op.check_req = group.check_comm.Iallgather(op.check_send, op.check_recv)
         else:
             op.check_send = np.array([value, -value, per_rank, -per_rank], np.int64)
             op.check_recv = np.empty(4, np.int64)
@@ -358,8 +373,7 @@ class Engine:
         received = op.check_recv
         if stage == _AGREE:
             if group.gathers:
-                hashes, values = received[:, 0].tolist(), received[:, 1].tolist()
-                low, high, shortest, longest = min(hashes), max(hashes), min(values), max(values)
+                low, high, shortest, longest = _row_extremes(received)
             else:
                 low, high = int(received[0]), -int(received[1])
                 shortest, longest = int(received[2]), -int(received[3])
@@ -373,7 +387,7 @@ class Engine:
                 self._fail(op)
                 return True
             if op.payload is not None:
-                op.gathered = received[:, 2:]
+                op.gathered = received
                 self._check_passed(op)
                 return True
             if op.exchange is not False and op.exchange is not True:
@@ -385,7 +399,7 @@ class Engine:
                 op.check_stage = _PER_RANK
                 return False
             if op.exchange and shortest != longest and group.gathers:
-                op.gathered = values  # every member's value came with the check
+                op.gathered = memoryview(received).cast("q")[1::_ROW_WORDS].tolist()  # they came with the check
                 self._check_passed(op)
                 return True
             if op.exchange and shortest != longest:
@@ -708,19 +722,26 @@ class Engine:
 
     def _wait_check(self, op: Op, grace: float) -> None:
         deadline = time.monotonic() + grace
-        backoff = Backoff()
+        backoff = None
         group = op.group
         while op.state == CHECKING:
             with self.lock:
                 if group.queue and group.queue[0] is op:
                     try:
-                        self._pump(group)  # the usual case: only this group has work to do
+                        if not self.stepping:
+                            # The usual case: only this check is awaited, and nothing in
+                            # flight needs this rank's steps, so testing the check alone for
+                            # a while is enough (a completed request tests True again).
+                            _spin(op.check_req)
+                        self._pump(group)
                     except MPI.Exception as exc:
                         raise self.mpi_failed(exc, op) from exc
                 else:
                     self.progress()
             if op.state != CHECKING or time.monotonic() >= deadline:
                 return
+            if backoff is None:
+                backoff = Backoff()
             backoff.pause()
 
     def drain(self, timeout: float | None) -> None:
@@ -774,6 +795,15 @@ class Engine:
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+_SPINS = 64  # tests of a check's request between rounds of the engine's progress
+
+
+def _spin(request: Any) -> None:
+    """Test `request` until it completes, at most `_SPINS` times."""
+    test = request.Test
+    for _ in range(_SPINS):
+        if test():
+            return
 
 
 class Backoff:

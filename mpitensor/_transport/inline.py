@@ -1,7 +1,8 @@
 """The all-reduce carried by the consistency check itself: no data operation at all.
 
-In a small group every check is one fixed-size ``MPI_Iallgather`` of a row per rank (the
-agreement hash, a per-rank value and `PAYLOAD_BYTES` of payload). A checked all-reduce whose
+In a small group every check is one fixed-size ``MPI_Iallgather`` of a row of `ROW_BYTES` per
+rank: the agreement hash and a per-rank value (two int64, `HEADER_BYTES`), then
+`PAYLOAD_BYTES` of payload. A checked all-reduce whose
 work buffer fits the payload puts its (converted) input there; once the check has shown that
 every rank called the same all-reduce, each rank reduces the gathered payloads itself, in
 rank order, with the same NumPy code: every rank gets the same bits, and the data costs no
@@ -17,14 +18,16 @@ import numpy as np
 
 from .base import ReduceCall
 
-__all__ = ["INLINE_RANKS", "PAYLOAD_BYTES", "PAYLOAD_WORDS", "InCheck"]
+__all__ = ["HEADER_BYTES", "INLINE_RANKS", "PAYLOAD_BYTES", "ROW_BYTES", "InCheck"]
 
 # Groups of up to this many ranks gather their checks' rows (beyond, gathering every row to
 # every rank costs more than the all-reduce of a fixed record it replaces).
 INLINE_RANKS = 8
-# Payload of a check row: all-reduces whose work buffer fits travel inside the check.
-PAYLOAD_WORDS = 8
-PAYLOAD_BYTES = 8 * PAYLOAD_WORDS
+# A check row: the header (agreement hash, per-rank value), then the payload; all-reduces
+# whose work buffer fits the payload travel inside the check.
+HEADER_BYTES = 16
+PAYLOAD_BYTES = 64
+ROW_BYTES = HEADER_BYTES + PAYLOAD_BYTES
 
 
 class InCheck:
@@ -50,43 +53,36 @@ class InCheck:
         )
 
     def prepare(self, call: ReduceCall) -> None:
-        """Copy the input, converted to the work dtype, into a private buffer: the payload.
+        """The payload: the input's bytes in the work dtype, padded; the result: a fresh array.
 
         MAX and MIN are reduced on the values themselves by the plan's ``combine`` (which
         gives the canonical NaN and the bits MPI's reduction of keys gives), so nothing is
         encoded and nothing decoded.
         """
-        work = call.source.buffer.astype(call.plan.work_dtype)  # always a copy, native order
-        call.send = work
-        call.out = call.final = work
+        buffer = call.source.buffer  # contiguous, native order
+        work_dtype = call.plan.work_dtype
+        data = buffer.tobytes() if buffer.dtype == work_dtype else buffer.astype(work_dtype).tobytes()
+        call.send = data.ljust(PAYLOAD_BYTES, b"\0")
+        call.out = call.final = np.empty(buffer.shape, work_dtype)
         call.decoded = True
 
-    @staticmethod
-    def payload(call: ReduceCall) -> np.ndarray:
-        """The bytes this rank puts in its check row."""
-        return call.send.reshape(-1).view(np.uint8)
-
-    def start(self, call: ReduceCall, rows: np.ndarray | None = None) -> list[Any]:
-        """Reduce every rank's payload into the result; no MPI operation is posted.
+    def start(self, call: ReduceCall, rows: bytearray | None = None) -> list[Any]:
+        """Reduce every rank's payload into the result, in rank order; no MPI operation is posted.
 
         Args:
             call: the call.
-            rows: the gathered payloads, one row of `PAYLOAD_WORDS` int64 per member in
-                group order.
+            rows: the gathered check rows, `ROW_BYTES` per member in group order.
 
         Returns:
             No requests: the result is final.
         """
         assert rows is not None, "the in-check all-reduce needs the gathered rows"
         out = call.out
-        count = out.size
-        values = rows.view(np.uint8)[:, : count * out.itemsize].view(out.dtype)
-        flat = out.reshape(-1)
+        dtype, count = out.dtype, out.size
+        target = out if out.ndim == 1 else out.reshape(-1)
         combine = call.plan.combine
-        if type(combine) is np.ufunc:
-            combine.reduce(values, axis=0, out=flat)
-        else:  # an `Extremum`: pairwise, in rank order
-            np.copyto(flat, values[0])
-            for row in values[1:]:
-                combine(flat, row, out=flat)
+        first = np.frombuffer(rows, dtype, count, HEADER_BYTES)
+        for offset in range(ROW_BYTES + HEADER_BYTES, len(rows), ROW_BYTES):
+            combine(first, np.frombuffer(rows, dtype, count, offset), out=target)
+            first = target
         return []

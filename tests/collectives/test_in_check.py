@@ -130,7 +130,7 @@ def test_small_meets_another_collective(ctx, other):
         "broadcast": lambda: mt.broadcast(small),
         "all_gather": lambda: mt.all_gather(small),
         "reduce": lambda: mt.reduce(small, root=0),
-        "barrier": lambda: mt.barrier(),
+        "barrier": mt.barrier,
         "fused": lambda: mt.all_reduce([small, small]),
     }
     call = calls[other] if ctx.rank == ctx.size - 1 else (lambda: mt.all_reduce(small))
