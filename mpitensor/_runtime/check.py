@@ -2,11 +2,14 @@
 
 Each collective describes itself as a `Record`: the operation, the reduce op, dtype,
 shape, root, group and a per-rank value (e.g. the first dimension of an `all_gather`
-input). Every check is the same small all-reduce on the group's check communicator,
-whatever the collective: MIN of ``[h, -h, v, -v]`` gives the minimum and maximum of the
-agreement hash ``h`` and of the per-rank value ``v`` at once. Two different collectives
-therefore always meet as one check, and only when the hashes differ do ranks exchange
-their full records (pickled `detail()`), to name what differs, the ranks and their values.
+input). Every check of a group is the same small exchange on the group's check
+communicator, whatever the collective, which gives the minimum and maximum of the agreement
+hash ``h`` and of the per-rank value ``v``: in groups of up to ``INLINE_RANKS`` an
+all-gather of one fixed row ``[h, v, payload]`` per rank (the engine's; the payload may
+carry a small all-reduce's input), in larger ones an all-reduce, MIN of ``[h, -h, v, -v]``.
+Two different collectives therefore always meet as one check, and only when the hashes
+differ do ranks exchange their full records (pickled `detail()`), to name what differs, the
+ranks and their values.
 
 Three hash values are reserved: `ABANDON` marks a rank that stands in for a check it will
 never call (see the diagnosis), `FAILED_CALL` a rank whose own call failed before it could
