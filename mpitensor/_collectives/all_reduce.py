@@ -11,7 +11,7 @@ from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import reduce_plan
 from .._core.state import open_contexts
 from .._core.tensor import Tensor, wrap_array
-from .._runtime.check import Record
+from .._runtime.check import shared_record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall, select
@@ -84,7 +84,7 @@ def all_reduce(
     transport.prepare(call)
     array = source.array
     checked = ctx.config.check and group.size > 1
-    record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members) if checked else None
+    record = shared_record("all_reduce", reduce_op, array.dtype, array.shape, group.members) if checked else None
     payload = call.send if transport is IN_CHECK else None
     collective = Op("all_reduce", group, call.nbytes, call.start, _finish(call), record, (call,), call.protections,
                     payload=payload)

@@ -42,6 +42,7 @@ __all__ = [
     "AbandonRecord",
     "OptionsRecord",
     "Record",
+    "SharedRecord",
     "Waiting",
     "cycle_text",
     "decode_waiting",
@@ -50,6 +51,7 @@ __all__ = [
     "group_hash",
     "departure_error",
     "mismatch_error",
+    "shared_record",
 ]
 
 # Hashes are masked to 62 bits so that -h never overflows int64; negative values are reserved.
@@ -243,6 +245,51 @@ class Record:
             "failure": self.failure,
             "entries": None if self.entries is None else self.entries(),
         }
+
+
+class SharedRecord(Record):
+    """A `Record` shared by every equal call (see `shared_record`), its check value computed once.
+
+    Never given a `failure` or `entries`: a call that fails builds a record of its own.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, kind: str, op: ReduceOperation | None, dtype: np.dtype | None,
+                 shape: tuple[int, ...] | None, group: tuple[int, ...]) -> None:
+        super().__init__(kind, op, dtype, shape, -1, group)
+        self.value = self.agreement()
+
+    def check_value(self) -> int:
+        """The agreement hash, computed when the record was made."""
+        return self.value
+
+
+_SHARED: dict[tuple[Any, ...], SharedRecord] = {}
+_SHARED_MAX = 4096  # distinct calls remembered; beyond, the cache starts over
+
+
+def shared_record(kind: str, op: ReduceOperation | None, dtype: np.dtype | None,
+                  shape: tuple[int, ...] | None, group: tuple[int, ...]) -> SharedRecord:
+    """The record of a call with no root, per-rank value or options, shared by equal calls.
+
+    Small checked calls repeat the same (op, dtype, shape, group) many times: building the
+    record and hashing it once saves that on each of them.
+
+    Args:
+        kind: the operation (a key of `KIND_CODES`).
+        op: the reduce op, or None.
+        dtype: the element type, or None.
+        shape: the shape, or None.
+        group: the group's members.
+    """
+    key = (kind, None if op is None else id(op), dtype, shape, group)
+    record = _SHARED.get(key)
+    if record is None:
+        if len(_SHARED) >= _SHARED_MAX:
+            _SHARED.clear()
+        record = _SHARED[key] = SharedRecord(kind, op, dtype, shape, group)
+    return record
 
 
 class OptionsRecord(Record):
