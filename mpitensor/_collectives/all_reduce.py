@@ -80,14 +80,12 @@ def all_reduce(
     if out is not None or prescale_factor is not None or postscale_factor is not None:
         return all_reduce_with_options(ctx, source, group, reduce_op, out, (prescale_factor, postscale_factor))
     call = ReduceCall(ctx, group, source, reduce_plan(reduce_op, source.buffer.dtype), source.array.nbytes)
-    transport = select(ALL_REDUCE, call)
-    transport.prepare(call)
+    (transport := select(ALL_REDUCE, call)).prepare(call)
     array = source.array
-    checked = ctx.config.check and group.size > 1
-    record = shared_record("all_reduce", reduce_op, array.dtype, array.shape, group.members) if checked else None
-    payload = call.send if transport is IN_CHECK else None
+    record = shared_record("all_reduce", reduce_op, array.dtype, array.shape, group.members) if (
+        ctx.config.check and group.size > 1) else None
     collective = Op("all_reduce", group, call.nbytes, call.start, _finish(call), record, (call,), call.protections,
-                    payload=payload)
+                    payload=call.send if transport is IN_CHECK else None)  # the data in the check
     ctx.engine.submit(collective)
     return CollectiveTensor(collective, wrap_array(call.final, result_device(ctx, source)), ctx)
 

@@ -372,46 +372,8 @@ class Engine:
         stage = op.check_stage
         received = op.check_recv
         if stage == _AGREE:
-            if group.gathers:
-                low, high, shortest, longest = _row_extremes(received)
-            else:
-                low, high = int(received[0]), -int(received[1])
-                shortest, longest = int(received[2]), -int(received[3])
-            if low == CLOSING and high != CLOSING:
-                self._met_departure(op, -shortest - 1)
-                return True
-            if low != high or low == ABANDON:
-                self._gather_detail_sizes(op)
-                return False
-            if low == FAILED_CALL:  # every rank's call failed on that rank, and each raised there
-                self._fail(op)
-                return True
-            if op.payload is not None:
-                op.gathered = received
-                self._check_passed(op)
-                return True
-            if op.exchange is not False and op.exchange is not True:
-                # Counts to swap: posted on the detail communicator, in call order, like
-                # every later stage, so the data that depends on them keeps its order.
-                op.check_send = op.exchange
-                op.check_recv = np.empty(group.size, np.int64)
-                op.check_req = group.detail_comm.Ialltoall(op.check_send, op.check_recv)
-                op.check_stage = _PER_RANK
-                return False
-            if op.exchange and shortest != longest and group.gathers:
-                op.gathered = memoryview(received).cast("q")[1::_ROW_WORDS].tolist()  # they came with the check
-                self._check_passed(op)
-                return True
-            if op.exchange and shortest != longest:
-                # The per-rank values differ (all_gatherv's lengths): gather them. Posted on
-                # the detail communicator, in call order, like every later stage.
-                op.check_send = np.array([op.record.per_rank], np.int64)
-                op.check_recv = np.empty(group.size, np.int64)
-                op.check_req = group.detail_comm.Iallgather(op.check_send, op.check_recv)
-                op.check_stage = _PER_RANK
-                return False
-            op.gathered = [shortest] * group.size
-        elif stage == _PER_RANK:
+            return self._agreed(op, received)
+        if stage == _PER_RANK:
             op.gathered = [int(v) for v in received]
         elif stage == _DETAIL_SIZES:
             sizes = [int(v) for v in received]
@@ -429,6 +391,48 @@ class Engine:
             self._fail(op)
             self._answer_abandoners(op, details)
             return True
+        self._check_passed(op)
+        return True
+
+    def _agreed(self, op: Op, received: Any) -> bool:
+        """The agreement stage of `op`'s check has completed: act on it (see `_advance_check`)."""
+        group = op.group
+        if group.gathers:
+            low, high, shortest, longest = _row_extremes(received)
+        else:
+            low, high = int(received[0]), -int(received[1])
+            shortest, longest = int(received[2]), -int(received[3])
+        if low == CLOSING and high != CLOSING:
+            self._met_departure(op, -shortest - 1)
+            return True
+        if low != high or low == ABANDON:
+            self._gather_detail_sizes(op)
+            return False
+        if low == FAILED_CALL:  # every rank's call failed on that rank, and each raised there
+            self._fail(op)
+            return True
+        if op.payload is not None:
+            op.gathered = received  # every member's row, payload included
+        elif op.exchange is not False and op.exchange is not True:
+            # Counts to swap: posted on the detail communicator, in call order, like
+            # every later stage, so the data that depends on them keeps its order.
+            op.check_send = op.exchange
+            op.check_recv = np.empty(group.size, np.int64)
+            op.check_req = group.detail_comm.Ialltoall(op.check_send, op.check_recv)
+            op.check_stage = _PER_RANK
+            return False
+        elif op.exchange and shortest != longest:
+            if not group.gathers:
+                # The per-rank values differ (all_gatherv's lengths): gather them. Posted on
+                # the detail communicator, in call order, like every later stage.
+                op.check_send = np.array([op.record.per_rank], np.int64)
+                op.check_recv = np.empty(group.size, np.int64)
+                op.check_req = group.detail_comm.Iallgather(op.check_send, op.check_recv)
+                op.check_stage = _PER_RANK
+                return False
+            op.gathered = memoryview(received).cast("q")[1::_ROW_WORDS].tolist()  # they came in the rows
+        else:
+            op.gathered = [shortest] * group.size
         self._check_passed(op)
         return True
 
