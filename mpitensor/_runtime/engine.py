@@ -4,9 +4,9 @@ Every collective becomes an `Op`. With the consistency check on, the op first po
 non-blocking exchange on its group's *check* communicator; when that completes and agrees,
 it posts its data operation on the group's *data* communicator. In groups of up to
 `INLINE_RANKS` ranks the check is an all-gather of one row per rank, and an op may carry its
-whole input in its row (a small all-reduce): it then posts no data operation at all. Data operations must be
-posted in the same order on every rank, so each group keeps a FIFO of ops whose data is not
-posted yet, and only the head may post. Checks and data use different communicators, so an
+whole input in its row (a small all-reduce): it then posts no data operation at all. Data
+operations must be posted in the same order on every rank, so each group keeps a FIFO of ops
+whose data is not posted yet, and only the head may post. Checks and data use different communicators, so an
 op whose check is late never reorders the data of the ops behind it.
 
 The engine holds every op until MPI is done with its buffers, whether or not anyone still
