@@ -269,8 +269,7 @@ _SHARED: dict[tuple[Any, ...], SharedRecord] = {}
 _SHARED_MAX = 4096  # distinct calls remembered; beyond, the cache starts over
 
 
-def shared_record(kind: str, op: ReduceOperation | None, dtype: np.dtype | None,
-                  shape: tuple[int, ...] | None, group: tuple[int, ...]) -> SharedRecord:
+def shared_record(kind: str, op: ReduceOperation | None, array: Any, group: tuple[int, ...]) -> SharedRecord:
     """The record of a call with no root, per-rank value or options, shared by equal calls.
 
     Small checked calls repeat the same (op, dtype, shape, group) many times: building the
@@ -279,10 +278,10 @@ def shared_record(kind: str, op: ReduceOperation | None, dtype: np.dtype | None,
     Args:
         kind: the operation (a key of `KIND_CODES`).
         op: the reduce op, or None.
-        dtype: the element type, or None.
-        shape: the shape, or None.
+        array: the input (its dtype and shape must agree).
         group: the group's members.
     """
+    dtype, shape = array.dtype, array.shape
     key = (kind, None if op is None else id(op), dtype, shape, group)
     record = _SHARED.get(key)
     if record is None:

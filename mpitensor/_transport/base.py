@@ -103,14 +103,17 @@ class ReduceCall:
         self.decoded = False
         self.extra: Any = None
 
-    def start(self, *gathered: Any) -> list[Any] | Stepper:
-        """Start the chosen transport's data movement (the engine calls it as the op's ``post``).
+    def start(self) -> list[Any] | Stepper:
+        """Start the chosen transport's data movement (the engine calls it as the op's ``post``)."""
+        return self.transport.start(self)
+
+    def start_from(self, rows: Any) -> list[Any] | Stepper:
+        """`start` for a call whose data travelled in its consistency check (`inline.InCheck`).
 
         Args:
-            gathered: what the engine hands an op that carries a payload in its check (the
-                gathered payloads, for `inline.InCheck`); nothing otherwise.
+            rows: every member's gathered check row, as the engine hands them to the op's ``post``.
         """
-        return self.transport.start(self, *gathered)
+        return self.transport.start(self, rows)
 
 
 class PrivateCopy:

@@ -14,9 +14,11 @@ from .inline import InCheck
 from .mpi import InPlace, Plain
 from .shm import SharedMemory
 
-__all__ = ["ALL_REDUCE", "IN_CHECK", "PLAIN", "SHARED_MEMORY"]
+__all__ = ["ALL_REDUCE", "ALL_REDUCE_CHECKED", "IN_CHECK", "PLAIN", "SHARED_MEMORY"]
 
 SHARED_MEMORY = SharedMemory()
 PLAIN = Plain()
 IN_CHECK = InCheck()
-ALL_REDUCE: tuple[Transport, ...] = (IN_CHECK, InPlace(), SHARED_MEMORY, PLAIN)
+ALL_REDUCE: tuple[Transport, ...] = (InPlace(), SHARED_MEMORY, PLAIN)
+# Checked calls (their check can carry the smallest ones): unchecked ones never ask.
+ALL_REDUCE_CHECKED: tuple[Transport, ...] = (IN_CHECK, *ALL_REDUCE)

@@ -16,7 +16,7 @@ import mpitensor as mt
 from mpitensor._core.dtypes import reduce_plan
 from mpitensor._transport.base import ReduceCall, select
 from mpitensor._transport.inline import PAYLOAD_BYTES
-from mpitensor._transport.select import ALL_REDUCE, IN_CHECK
+from mpitensor._transport.select import ALL_REDUCE_CHECKED, IN_CHECK
 from tests.conftest import GROUP_KINDS, group_members
 from tests.helpers import ALL_DTYPES, OP, agree, every_rank_settings, rank_input, reference, rejects, tolerance
 
@@ -95,11 +95,11 @@ def test_small_checked_calls_travel_in_the_check(ctx):
             array = np.ones(count, dtype)
             source = type("Source", (), {"array": array, "buffer": array})()
             call = ReduceCall(ctx, group, source, reduce_plan(op, array.dtype), array.nbytes)
-            assert (select(ALL_REDUCE, call) is IN_CHECK) == (inline and ctx.size <= 8), (dtype, op, count)
+            assert (select(ALL_REDUCE_CHECKED, call) is IN_CHECK) == (inline and ctx.size <= 8), (dtype, op, count)
     half = np.ones(4, np.float16)
     source = type("Source", (), {"array": half, "buffer": half})()
     call = ReduceCall(ctx, group, source, reduce_plan(OP.SUM, half.dtype), half.nbytes)
-    assert select(ALL_REDUCE, call) is not IN_CHECK, "half precision is rounded back: left to MPI"
+    assert select(ALL_REDUCE_CHECKED, call) is not IN_CHECK, "half precision is rounded back: left to MPI"
 
 
 def _expect_mismatch(call, *fragments: str) -> None:
