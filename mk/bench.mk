@@ -1,7 +1,8 @@
 # The benchmark (see BENCHMARKS.md): `make bench` builds .venv-bench-$(MPI) (mpitensor,
 # matplotlib and a CPU torch for the gloo column) and runs the full sweep, the overlap and
-# the fused benchmarks at 2 and 4 ranks (4 oversubscribe a 2-core machine); results land in
-# $(BENCH_OUT)/<mpi>-np<N>.{json,md,png}, then the targets table is printed.
+# the fused benchmarks at 2 and 4 ranks (4 oversubscribe a 2-core machine), the 8-byte rows
+# at 8 ranks; results land in $(BENCH_OUT)/<mpi>-np<N>.{json,md,png}, then the targets table
+# is printed.
 #   make bench MPI=mpich              the same with MPICH
 #   make bench BENCH_ARGS=--quick     a short sanity run
 #   make bench BENCH_TORCH=           no torch (the gloo column is skipped, with a note)
@@ -12,6 +13,8 @@
 BENCH_VENV ?= .venv-bench-$(MPI)
 BENCH_OUT ?= bench-results
 BENCH_NP ?= 2 4
+# The small-message rows again on many oversubscribed ranks, where every round trip waits for a core.
+BENCH_MANY_NP ?= 8
 BENCH_ARGS ?=
 BENCH_TORCH ?= torch==2.13.0
 
@@ -26,6 +29,11 @@ bench: bench-venv
 	@set -e; for n in $(BENCH_NP); do \
 	  timeout -k 10 3600 scripts/mpirun.sh --venv $(BENCH_VENV) -n $$n \
 	    $(BENCH_VENV)/bin/python -m mpitensor.bench all --out $(BENCH_OUT) $(BENCH_ARGS); \
+	done
+	@for n in $(BENCH_MANY_NP); do \
+	  timeout -k 10 1200 scripts/mpirun.sh --venv $(BENCH_VENV) -n $$n \
+	    $(BENCH_VENV)/bin/python -m mpitensor.bench sweep --sizes 8 --variants raw,mt,mt_checked \
+	    --out $(BENCH_OUT) $(BENCH_ARGS); \
 	done
 	@$(MAKE) --no-print-directory bench-report
 

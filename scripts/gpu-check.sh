@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check: GPU tests and the staged all-reduce benchmark, on a machine with one NVIDIA
-# GPU and CuPy but no MPI runtime and no network (CI has no GPU; this is run by hand).
+# The GPU check: the GPU smoke test, the GPU tests and the staged all-reduce benchmark, on a
+# machine with one NVIDIA GPU and CuPy but no MPI runtime and no network (CI has no GPU; this
+# is run by hand).
 #
 #   PYTHON=/path/to/python3 scripts/gpu-check.sh [openmpi|mpich]      (default: openmpi)
 #
@@ -22,12 +23,15 @@
 #      runs PYTHON with PYTHONPATH (this checkout and the prefix's site-packages),
 #      LD_LIBRARY_PATH (the MPI wheel's libraries: mpi4py loads libmpi.so.* by name) and
 #      PATH (the MPI wheel's mpiexec) set;
-#   3. runs the GPU tests (tests/transport/gpu/on_gpu) under mpiexec -n 1, then -n 2 (both
-#      ranks share the GPU);
-#   4. prints `python -m mpitensor info` for 2 ranks;
-#   5. prints the benchmark (scripts/gpu_bench.py): staged all-reduce of 1, 16 and 256 MiB
+#   3. runs the GPU smoke test (scripts/gpu_smoke.py) under mpiexec -n 2 (both ranks share
+#      the GPU): every GPU code path once, one PASS/FAIL/SKIP line per check and a TOTAL
+#      line, each check isolated and time-limited; without CuPy every check FAILS;
+#   4. runs the GPU tests (tests/transport/gpu/on_gpu) under mpiexec -n 1, then -n 2;
+#   5. prints `python -m mpitensor info` for 2 ranks;
+#   6. prints the benchmark (scripts/gpu_bench.py): staged all-reduce of 1, 16 and 256 MiB
 #      float32 against its floor measured in the same run, as ratios, one row at a time.
-# Neither MPI wheel is CUDA-aware, so the staged path is what runs.
+# Neither MPI wheel is CUDA-aware, so the staged path is what runs (the smoke test forces the
+# CUDA-aware path once, on managed memory, which a host-only MPI can read).
 # Exit status: non-zero if any step failed.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -130,6 +134,11 @@ for module in (mpi4py, pytest):
         raise SystemExit(f"{module.__name__} comes from {module.__file__}, not from {prefix}")
 print("mpi4py", mpi4py.__version__, "from", os.path.dirname(mpi4py.__file__), "; mpitensor from", os.path.dirname(mpitensor.__file__))
 PY
+
+say "GPU smoke test, mpiexec -n 2 (the ranks share the GPU)"
+mkdir -p logs/gpu-check
+limited 150 scripts/mpirun.sh --venv "$prefix" -n 2 "$python" scripts/gpu_smoke.py 2>&1 | tee logs/gpu-check/smoke.txt
+[ "${PIPESTATUS[0]}" = 0 ] || step_failed "GPU smoke test (logs/gpu-check/smoke.txt)"
 
 pytest_args=(tests/transport/gpu/on_gpu -q --with-mpi -p pytest_mpi -p mpitensor._pytest_plugin -p no:cacheprovider -rs --color=no)
 for n in 1 2; do

@@ -14,8 +14,10 @@ import numpy as np
 
 from .._runtime.context import DistributedContext
 from .._runtime.engine import Group
+from .._transport.gpu.staging import stage_now
+from .._transport.gpu.streams import gpu_call
 from .common import CollectiveTensor, Input
-from .gpu_staged import StagedCollective, cuda_result_device, gpu_call, stage_now
+from .gpu_staged import StagedCollective, cuda_result_device
 
 __all__ = ["staged"]
 

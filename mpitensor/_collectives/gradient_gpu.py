@@ -4,7 +4,7 @@ A GPU gradient is copied on its own stream into a private device array in the bu
 dtype (scaled there by the prescale factor), so the caller may overwrite the gradient at
 once; that copy goes into the bucket's pinned host buffer on the copy stream. Nothing waits
 at `submit`: the bucket's all-reduce is posted once every copy into it is done (see
-`AllDone` and `fused.start_buckets`'s ``ready``), and `wait()` brings each result to the
+`after_event.AllDone` and `fused.start_buckets`'s ``ready``), and `wait()` brings each result to the
 GPU it came from, ordered on the stream current at its `submit`.
 """
 
@@ -16,35 +16,17 @@ import numpy as np
 
 from .._core.device import Device
 from .._core.tensor import Tensor
+from .._transport.gpu.after_event import AllDone
 from .._transport.gpu.pinned import PinnedBuffer, pinned_pool
+from .._transport.gpu.staging import copy_to_host, upload
+from .._transport.gpu.streams import GpuCall, gpu_call
 from .common import Input
-from .gpu_staged import GpuCall, cuda_result_device, gpu_call
+from .gpu_staged import cuda_result_device
 
 if TYPE_CHECKING:
     from .._runtime.context import DistributedContext
 
-__all__ = ["AllDone", "GpuBuckets"]
-
-
-class AllDone:
-    """Done once every one of `events` is done (a bucket's copies; ``done`` never blocks).
-
-    Args:
-        events: objects with a ``done`` property (``cupy.cuda.Event``).
-    """
-
-    __slots__ = ("_events",)
-
-    def __init__(self, events: list[Any]) -> None:
-        self._events = list(events)
-
-    @property
-    def done(self) -> bool:
-        """True once all the events are done."""
-        events = self._events
-        while events and events[-1].done:
-            events.pop()
-        return not events
+__all__ = ["GpuBuckets"]
 
 
 class GpuBuckets:
@@ -87,7 +69,7 @@ class GpuBuckets:
             grad = source.buffer.reshape(-1).astype(target.dtype, copy=True)
             if pre is not None:
                 call.cupy.multiply(grad, pre, out=grad, casting="unsafe")
-        self._copies.setdefault(index, []).append(call.copy_to_host(grad, target, after=call.mark()))
+        self._copies.setdefault(index, []).append(copy_to_host(call, grad, target, after=call.mark()))
         self._keep.append(grad)
         self._calls[name] = (call, cuda_result_device(ctx, source, call.device))
 
@@ -103,9 +85,7 @@ class GpuBuckets:
     def upload(self, name: str, result: Tensor) -> Tensor:
         """`name`'s reduced gradient on the GPU its gradient came from, ordered on the stream of its submit."""
         call, device = self._calls[name]
-        with call.scope(), call.stream:
-            array = call.cupy.asarray(result.array)
-        return Tensor(array, device)
+        return Tensor(upload(call, result.array), device)
 
     def release(self) -> None:
         """Give the pinned buffers back to the pool (every bucket's all-reduce is complete)."""

@@ -16,7 +16,7 @@ _SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODE
 def _data_path(ctx: DistributedContext) -> str:
     if ctx.device.kind != "cuda":
         return "host"
-    from .._collectives.gpu_staged import data_path_name
+    from .._transport.gpu.data_path import data_path_name
 
     return data_path_name(ctx)
 

@@ -16,7 +16,7 @@ from .._core.mpi import MPI
 from .base import ReduceCall
 from .reduction import reduction_buffers, reduction_input
 
-__all__ = ["SMALL_BYTES", "InPlace", "Plain", "all_reduce_buckets"]
+__all__ = ["SMALL_BYTES", "InPlace", "OnCopy", "Plain", "all_reduce_buckets", "all_reduce_buffers"]
 
 # Up to this size a copy of the input costs less than write-protecting it in flight.
 SMALL_BYTES = 16 << 10
@@ -71,6 +71,50 @@ class Plain:
         """Post the all-reduce."""
         datatype = call.plan.datatype
         return [call.group.comm.Iallreduce([call.send, datatype], [call.out, datatype], call.plan.mpi_op)]
+
+
+class OnCopy:
+    """``MPI_Iallreduce(MPI_IN_PLACE, ...)`` on a private host copy that is filled later.
+
+    The input is a copy nobody else reads (`base.PrivateCopy`: a GPU tensor staged into
+    pinned memory), so MPI reduces it in place. Its data may still be arriving at
+    `prepare` (the copy from the device is queued), so the encoding of float MAX/MIN into
+    keys waits for `start`; the result then holds keys (``call.decoded`` stays False).
+    It takes every call: it ends the staged all-reduce's list.
+    """
+
+    name = "mpi-on-copy"
+
+    def applies(self, call: ReduceCall) -> bool:
+        """Every call."""
+        return True
+
+    def prepare(self, call: ReduceCall) -> None:
+        """The copy is sent from and reduced into; nothing to protect."""
+        call.send = call.out = call.final = call.source.buffer
+
+    def start(self, call: ReduceCall) -> list[Any]:
+        """Encode MAX/MIN keys (the copy has arrived) and post the all-reduce."""
+        plan = call.plan
+        if plan.codec is not None:
+            plan.codec.encode(call.out, call.out)
+        return [call.group.comm.Iallreduce(MPI.IN_PLACE, [call.out, plan.datatype], plan.mpi_op)]
+
+
+def all_reduce_buffers(comm: Any, send: Any, out: Any, plan: Any) -> list[Any]:
+    """Post ``MPI_Iallreduce`` from `send` into `out` (any buffers MPI takes: device ones too).
+
+    Args:
+        comm: the group's data communicator.
+        send: the buffer reduced from.
+        out: the buffer the result lands in (same shape, the plan's work dtype).
+        plan: the `ReducePlan` (MPI datatype and op).
+
+    Returns:
+        The request, in a list.
+    """
+    datatype = plan.datatype
+    return [comm.Iallreduce([send, datatype], [out, datatype], plan.mpi_op)]
 
 
 def all_reduce_buckets(comm: Any, plans: Sequence[Any], sends: Sequence[Any], recvs: Sequence[Any]) -> list[Any]:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from ..._core.mpi import MPI
 from ..base import Stepper
 
-__all__ = ["AfterEvent", "Ready"]
+__all__ = ["AfterEvent", "AllDone", "Ready"]
 
 
 class Ready(Protocol):
@@ -65,3 +65,24 @@ class AfterEvent:
         if self._stepper is not None:
             return self._stepper.advance()
         return not self._requests or bool(MPI.Request.Testall(self._requests))
+
+
+class AllDone:
+    """Done once every one of `events` is done (e.g. the copies into one bucket; never blocks).
+
+    Args:
+        events: objects with a ``done`` property (``cupy.cuda.Event``).
+    """
+
+    __slots__ = ("_events",)
+
+    def __init__(self, events: list[Any]) -> None:
+        self._events = list(events)
+
+    @property
+    def done(self) -> bool:
+        """True once all the events are done."""
+        events = self._events
+        while events and events[-1].done:
+            events.pop()
+        return not events

@@ -124,7 +124,7 @@ def test_later_calls_return_at_once_and_post_after_the_held_one(check):
 
 
 def test_a_bucket_is_ready_once_every_copy_into_it_is_done():
-    from mpitensor._collectives.gradient_gpu import AllDone
+    from mpitensor._transport.gpu.after_event import AllDone
 
     copies = [Event(), Event(), Event()]
     ready = AllDone(copies)

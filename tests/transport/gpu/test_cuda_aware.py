@@ -212,7 +212,7 @@ def test_detection_follows_the_table_on_this_mpi(ctx, monkeypatch):
 @pytest.mark.mpi
 @pytest.mark.parametrize(("raw", "path"), [("1", None), ("all", "cuda-aware"), ("0", "staged")])
 def test_environment_override_sets_the_data_path(monkeypatch, raw, path):
-    from mpitensor._collectives.gpu_staged import data_path, data_path_name
+    from mpitensor._transport.gpu.data_path import data_path, data_path_name
 
     if path is None:
         path = "cuda-aware" if MPI.get_vendor()[0] == "MPICH" else "cuda-aware p2p,blocking"
@@ -224,7 +224,7 @@ def test_environment_override_sets_the_data_path(monkeypatch, raw, path):
 
 @pytest.mark.mpi
 def test_config_beats_the_environment(monkeypatch):
-    from mpitensor._collectives.gpu_staged import cuda_awareness, data_path
+    from mpitensor._transport.gpu.data_path import cuda_awareness, data_path
 
     monkeypatch.setenv("MPITENSOR_CUDA_AWARE", "0")
     with mt.DistributedContext.init(config=mt.DistributedConfig(cuda_aware="all")) as ctx:
@@ -237,8 +237,8 @@ def test_config_beats_the_environment(monkeypatch):
 
 @pytest.mark.mpi
 def test_user_defined_ops_never_get_device_buffers(monkeypatch):
-    from mpitensor._collectives.gpu_staged import device_buffers_ok
     from mpitensor._core.dtypes import reduce_plan
+    from mpitensor._transport.gpu.data_path import device_buffers_ok
 
     monkeypatch.setenv("MPITENSOR_CUDA_AWARE", "all")
     with mt.DistributedContext.init() as ctx:
@@ -255,7 +255,7 @@ def test_user_defined_ops_never_get_device_buffers(monkeypatch):
 
 @pytest.mark.mpi
 def test_a_declared_yes_covers_non_blocking_reductions_only_where_this_mpi_documents_them(monkeypatch):
-    from mpitensor._collectives.gpu_staged import device_buffers_ok
+    from mpitensor._transport.gpu.data_path import device_buffers_ok
 
     monkeypatch.setenv("MPITENSOR_CUDA_AWARE", "1")
     with mt.DistributedContext.init() as ctx:

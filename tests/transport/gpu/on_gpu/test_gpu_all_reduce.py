@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._collectives.gpu_staged import copy_stream, cuda_awareness, data_path
+from mpitensor._transport.gpu.data_path import cuda_awareness, data_path
 from mpitensor._transport.gpu.pinned import pinned_pool
+from mpitensor._transport.gpu.streams import copy_stream
 from tests.conftest import GROUP_KINDS, group_members
 from tests.helpers import ARITHMETIC, OP, assert_matches, rank_input, reference, seed_of
 from tests.transport.gpu.on_gpu.conftest import spin

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._collectives.gpu_staged import data_path
 from mpitensor._core.device import visible_gpu_count
 from mpitensor._tools.info import collect
+from mpitensor._transport.gpu.data_path import data_path
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
