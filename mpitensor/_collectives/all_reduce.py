@@ -11,13 +11,13 @@ from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import reduce_plan
 from .._core.state import open_contexts
 from .._core.tensor import Tensor, wrap_array
-from .._runtime.check import Record
+from .._runtime.check import shared_record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall, select
 from .._transport.mpi import SMALL_BYTES
 from .._transport.reduction import finish_reduction
-from .._transport.select import ALL_REDUCE
+from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED, IN_CHECK
 from .common import PLAIN_DTYPES, CollectiveTensor, Input, context_for, follow, result_device, take_input
 from .fused import fused_all_reduce
 from .gpu_host import staged
@@ -71,20 +71,21 @@ def all_reduce(
                                 factors=(prescale_factor, postscale_factor))
     ctx, source, group = _take(input, devices)
     if source.back is not None:  # another library's tensor: reduce its array, give the result back
-        handle = all_reduce(source.buffer, op, devices, out=out, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor)
-        return follow(handle, source.back)
+        return follow(all_reduce(source.buffer, op, devices, out=out, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor), source.back)
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     if source.on_gpu:
         return _on_gpu(ctx, source, group, reduce_op, out, (prescale_factor, postscale_factor))
     if out is not None or prescale_factor is not None or postscale_factor is not None:
         return all_reduce_with_options(ctx, source, group, reduce_op, out, (prescale_factor, postscale_factor))
     call = ReduceCall(ctx, group, source, reduce_plan(reduce_op, source.buffer.dtype), source.array.nbytes)
-    select(ALL_REDUCE, call).prepare(call)
-    array = source.array
     checked = ctx.config.check and group.size > 1
-    record = Record("all_reduce", reduce_op, array.dtype, array.shape, -1, group.members) if checked else None
-    collective = Op("all_reduce", group, call.nbytes, call.start, _finish(call), record, (call,), call.protections)
+    (transport := select(ALL_REDUCE_CHECKED if checked else ALL_REDUCE, call)).prepare(call)
+    record = shared_record("all_reduce", reduce_op, source.array, group.members) if checked else None
+    if transport is IN_CHECK:  # the data travels in the check
+        collective = Op("all_reduce", group, call.nbytes, call.start_from, _finish(call), record, payload=call.send)
+    else:
+        collective = Op("all_reduce", group, call.nbytes, call.start, _finish(call), record, (call,), call.protections)
     ctx.engine.submit(collective)
     return CollectiveTensor(collective, wrap_array(call.final, result_device(ctx, source)), ctx)
 

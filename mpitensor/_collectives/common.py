@@ -64,6 +64,8 @@ class CollectiveTensor:
         """
         op = self._op
         ctx = self._ctx
+        if timeout is not None:  # a bad timeout is refused even when there is nothing left to wait for
+            timeout = timeout_arg(timeout, ctx)
         if op.state == COMPLETE and (self._resolved or not ctx.closed):
             self._resolved = True
             if isinstance(self._value, Later):
@@ -77,7 +79,7 @@ class CollectiveTensor:
                 f"cannot resolve {op.describe()}: its context was closed first "
                 "(close() completed it, but results must be resolved before closing)"
             )
-        ctx.engine.wait(op, ctx.timeout if timeout is None else timeout_arg(timeout, ctx))
+        ctx.engine.wait(op, ctx.timeout if timeout is None else timeout)
         self._resolved = True
         if isinstance(self._value, Later):
             self._value = self._value.settle(op.result)

@@ -9,10 +9,13 @@ so unpacking copies nothing.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import accumulate
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -25,6 +28,7 @@ from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
 from .._transport.gpu.after_event import AfterEvent
+from .._transport.mpi import all_reduce_buckets
 from .common import PLAIN_DTYPES, CollectiveTensor, check_record, follow, start, take_input
 from .gpu_staged import gpu_fused_all_reduce
 from .options import make_record, scale_factors, scale_options
@@ -84,6 +88,9 @@ def _pack_one_kind(sizes: Sequence[int], plan: ReducePlan, bucket_bytes: int) ->
     The same packing, without the bookkeeping by kind.
     """
     limit = bucket_bytes // plan.work_dtype.itemsize
+    ends = list(accumulate(sizes))
+    if not ends or ends[-1] <= limit:  # the usual case: one bucket holds everything
+        return [Bucket(plan, list(range(len(ends))), [0, *ends[:-1]], ends[-1] if ends else 0)]
     buckets = [Bucket(plan)]
     members, offsets = buckets[0].members, buckets[0].offsets
     filled = 0
@@ -106,9 +113,23 @@ def structure_hash(keys: Iterable[Any], arrays: Iterable[Any]) -> int:
     Names are hashed as text with CRC-32 (Python's own string hash differs between
     processes); shapes and dtype numbers, as a tuple of ints (whose hash does not).
     """
-    names = zlib.crc32("\0".join(map(repr, keys)).encode())
-    layout = hash(tuple((a.shape, a.dtype.num) for a in arrays))
+    names = _positions_crc(len(keys)) if type(keys) is range else zlib.crc32("\0".join(map(repr, keys)).encode())
+    arrays = arrays if isinstance(arrays, list) else list(arrays)
+    dtypes = list(map(_DTYPE, arrays))
+    kinds = set(dtypes)
+    # One dtype (the usual case) is hashed once; otherwise each tensor's.
+    numbers = kinds.pop().num if len(kinds) == 1 else tuple(d.num for d in dtypes)
+    layout = hash((tuple(map(_SHAPE, arrays)), numbers))
     return hash((names, layout)) & ((1 << 56) - 1)
+
+
+_DTYPE, _SHAPE, _SIZE = attrgetter("dtype"), attrgetter("shape"), attrgetter("size")
+
+
+@functools.cache
+def _positions_crc(count: int) -> int:
+    """The names' hash of a list or tuple of `count` tensors (its keys are its positions)."""
+    return zlib.crc32("\0".join(map(repr, range(count))).encode())
 
 
 def describe_entries(keys: Sequence[Any], arrays: Sequence[Any]) -> list[tuple[str, tuple[int, ...], str]]:
@@ -116,14 +137,14 @@ def describe_entries(keys: Sequence[Any], arrays: Sequence[Any]) -> list[tuple[s
     return [(repr(key), tuple(array.shape), str(array.dtype)) for key, array in zip(keys, arrays)]
 
 
-def flatten(structure: Any) -> tuple[list[Any], list[Any]]:
-    """The keys (dict keys, or positions) and the leaves of a list, tuple or dict."""
+def flatten(structure: Any) -> tuple[Sequence[Any], list[Any]]:
+    """The keys (dict keys, or positions as a `range`) and the leaves of a list, tuple or dict."""
     if isinstance(structure, dict):
         return list(structure.keys()), list(structure.values())
-    return list(range(len(structure))), list(structure)
+    return range(len(structure)), list(structure)
 
 
-def rebuild(structure: Any, keys: list[Any], values: list[Any]) -> Any:
+def rebuild(structure: Any, keys: Sequence[Any], values: list[Any]) -> Any:
     """A structure of `structure`'s kind with `values` at `keys` (as `flatten` gave them)."""
     if isinstance(structure, dict):
         return dict(zip(keys, values))
@@ -190,24 +211,14 @@ def _plain_host_leaves(values: list[Any], host: Any) -> tuple[list[np.ndarray], 
     That is the usual case (gradients), and it needs neither copies nor `take_input`'s
     checks; anything else returns None and goes the general way.
     """
-    arrays: list[np.ndarray] = []
-    devices: list[Any] = []
-    for value in values:
-        kind = type(value)
-        if kind is Tensor:
-            # Read directly: this runs for every leaf (hundreds per call), where the
-            # `array` and `device` properties would add two calls each.
-            array = value._array
-            device = value._device
-        elif kind is np.ndarray:
-            array = value
-            device = host
-        else:
+    # A Tensor's slots are read directly: this runs for every leaf (hundreds per call), where
+    # the `array` and `device` properties would add two calls each.
+    arrays = [v._array if type(v) is Tensor else v for v in values]
+    ndarray, plain = np.ndarray, PLAIN_DTYPES
+    for array in arrays:
+        if type(array) is not ndarray or not array.flags.c_contiguous or array.dtype not in plain:
             return None
-        if type(array) is not np.ndarray or not array.flags.c_contiguous or array.dtype not in PLAIN_DTYPES:
-            return None
-        arrays.append(array)
-        devices.append(device)
+    devices = [v._device if type(v) is Tensor else host for v in values]
     return arrays, devices
 
 
@@ -224,18 +235,15 @@ def _start_fused(
     factors: tuple[Any, Any] = (None, None),
 ) -> CollectiveTensor:
     # 256 gradients usually share one or two dtypes: one plan per dtype, not per tensor.
-    by_dtype: dict[np.dtype, ReducePlan] = {}
-    plans = []
-    for buffer in buffers:
-        plan = by_dtype.get(buffer.dtype)
-        if plan is None:
-            plan = by_dtype[buffer.dtype] = reduce_plan(reduce_op, buffer.dtype)
-        plans.append(plan)
-    sizes = [buffer.size for buffer in buffers]
+    dtypes = list(map(_DTYPE, buffers))
+    by_dtype = {dtype: reduce_plan(reduce_op, dtype) for dtype in set(dtypes)}
+    plans = [by_dtype[dtype] for dtype in dtypes] if len(by_dtype) > 1 else [*by_dtype.values()] * len(buffers)
+    sizes = list(map(_SIZE, buffers))
     buckets = plan_buckets(sizes, plans, bucket_bytes or ctx.config.bucket_bytes)
     outputs: list[Any] = [None] * len(buffers)
     sends, recvs = [], []
     rounding: list[tuple[np.ndarray, np.ndarray]] = []  # half precision: (float32 view, result)
+    rounds = any(plan.rounds_back for plan in by_dtype.values())
     for bucket in buckets:
         dtype = bucket.plan.work_dtype
         send = ctx.pool.empty((bucket.elements,), dtype)
@@ -248,7 +256,7 @@ def _start_fused(
             view = out[offset : offset + sizes[index]]
             if buffer.ndim != 1:
                 view = view.reshape(buffer.shape)
-            if plans[index].rounds_back:
+            if rounds and plans[index].rounds_back:
                 final = ctx.pool.empty(buffer.shape, plans[index].out_dtype)
                 rounding.append((view, final))
                 view = final
@@ -308,12 +316,10 @@ def _bucket_post(
     The packed buckets are prescaled and encoded (`_ready_sends`) now when they are filled,
     else once `ready` is done, just before posting.
     """
+    plans = [bucket.plan for bucket in buckets]
 
     def requests() -> list[Any]:
-        return [
-            comm.Iallreduce([send, b.plan.datatype], [out, b.plan.datatype], b.plan.mpi_op)
-            for b, send, out in zip(buckets, sends, recvs)
-        ]
+        return all_reduce_buckets(comm, plans, sends, recvs)
 
     if ready is None:
         _ready_sends(buckets, sends, scales)

@@ -2,11 +2,14 @@
 
 Each collective describes itself as a `Record`: the operation, the reduce op, dtype,
 shape, root, group and a per-rank value (e.g. the first dimension of an `all_gather`
-input). Every check is the same small all-reduce on the group's check communicator,
-whatever the collective: MIN of ``[h, -h, v, -v]`` gives the minimum and maximum of the
-agreement hash ``h`` and of the per-rank value ``v`` at once. Two different collectives
-therefore always meet as one check, and only when the hashes differ do ranks exchange
-their full records (pickled `detail()`), to name what differs, the ranks and their values.
+input). Every check of a group is the same small exchange on the group's check
+communicator, whatever the collective, which gives the minimum and maximum of the agreement
+hash ``h`` and of the per-rank value ``v``: in groups of up to ``INLINE_RANKS`` an
+all-gather of one fixed row ``[h, v, payload]`` per rank (the engine's; the payload may
+carry a small all-reduce's input), in larger ones an all-reduce, MIN of ``[h, -h, v, -v]``.
+Two different collectives therefore always meet as one check, and only when the hashes
+differ do ranks exchange their full records (pickled `detail()`), to name what differs, the
+ranks and their values.
 
 Three hash values are reserved: `ABANDON` marks a rank that stands in for a check it will
 never call (see the diagnosis), `FAILED_CALL` a rank whose own call failed before it could
@@ -39,6 +42,7 @@ __all__ = [
     "AbandonRecord",
     "OptionsRecord",
     "Record",
+    "SharedRecord",
     "Waiting",
     "cycle_text",
     "decode_waiting",
@@ -47,6 +51,7 @@ __all__ = [
     "group_hash",
     "departure_error",
     "mismatch_error",
+    "shared_record",
 ]
 
 # Hashes are masked to 62 bits so that -h never overflows int64; negative values are reserved.
@@ -82,7 +87,8 @@ KIND_CODES = {name: code for code, name in KIND_NAMES.items()}
 ABANDONED_KIND = KIND_NAMES[15]
 CLOSE_KIND = KIND_NAMES[10]
 
-_OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOperation)}
+# Keyed by the member's id: hashing an Enum member runs Python code, on every checked call.
+_OP_CODES = {id(op): i + 1 for i, op in enumerate(ReduceOperation)}
 
 _DTYPE_LIST = [
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -210,7 +216,7 @@ class Record:
         """
         value = (
             KIND_CODES[self.kind],
-            0 if self.op is None else _OP_CODES[self.op],
+            0 if self.op is None else _OP_CODES[id(self.op)],
             dtype_code(self.dtype),
             (-1,) if self.shape is None else self.shape,
             self.root,
@@ -239,6 +245,50 @@ class Record:
             "failure": self.failure,
             "entries": None if self.entries is None else self.entries(),
         }
+
+
+class SharedRecord(Record):
+    """A `Record` shared by every equal call (see `shared_record`), its check value computed once.
+
+    Never given a `failure` or `entries`: a call that fails builds a record of its own.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, kind: str, op: ReduceOperation | None, dtype: np.dtype | None,
+                 shape: tuple[int, ...] | None, group: tuple[int, ...]) -> None:
+        super().__init__(kind, op, dtype, shape, -1, group)
+        self.value = self.agreement()
+
+    def check_value(self) -> int:
+        """The agreement hash, computed when the record was made."""
+        return self.value
+
+
+_SHARED: dict[tuple[Any, ...], SharedRecord] = {}
+_SHARED_MAX = 4096  # distinct calls remembered; beyond, the cache starts over
+
+
+def shared_record(kind: str, op: ReduceOperation | None, array: Any, group: tuple[int, ...]) -> SharedRecord:
+    """The record of a call with no root, per-rank value or options, shared by equal calls.
+
+    Small checked calls repeat the same (op, dtype, shape, group) many times: building the
+    record and hashing it once saves that on each of them.
+
+    Args:
+        kind: the operation (a key of `KIND_CODES`).
+        op: the reduce op, or None.
+        array: the input (its dtype and shape must agree).
+        group: the group's members.
+    """
+    dtype, shape = array.dtype, array.shape
+    key = (kind, None if op is None else id(op), dtype, shape, group)
+    record = _SHARED.get(key)
+    if record is None:
+        if len(_SHARED) >= _SHARED_MAX:
+            _SHARED.clear()
+        record = _SHARED[key] = SharedRecord(kind, op, dtype, shape, group)
+    return record
 
 
 class OptionsRecord(Record):

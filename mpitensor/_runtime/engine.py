@@ -2,9 +2,11 @@
 
 Every collective becomes an `Op`. With the consistency check on, the op first posts a small
 non-blocking exchange on its group's *check* communicator; when that completes and agrees,
-it posts its data operation on the group's *data* communicator. Data operations must be
-posted in the same order on every rank, so each group keeps a FIFO of ops whose data is not
-posted yet, and only the head may post. Checks and data use different communicators, so an
+it posts its data operation on the group's *data* communicator. In groups of up to
+`INLINE_RANKS` ranks the check is an all-gather of one row per rank, and an op may carry its
+whole input in its row (a small all-reduce): it then posts no data operation at all. Data
+operations must be posted in the same order on every rank, so each group keeps a FIFO of ops
+whose data is not posted yet, and only the head may post. Checks and data use different communicators, so an
 op whose check is late never reorders the data of the ops behind it.
 
 The engine holds every op until MPI is done with its buffers, whether or not anyone still
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
 import threading
 import time
 from collections import deque
@@ -26,6 +29,7 @@ import numpy as np
 from .._core.errors import CollectiveTimeoutError, ContextBrokenError
 from .._core.mpi import MPI
 from .._transport.base import Stepper
+from .._transport.inline import HEADER_BYTES, INLINE_RANKS, PAYLOAD_BYTES, ROW_BYTES
 from .check import (
     ABANDON,
     ABANDONED_KIND,
@@ -53,7 +57,7 @@ FAILED = 4  # the check found a mismatch; nothing was sent
 
 _STATE_NAMES = ("checking", "queued", "posted", "complete", "failed")
 
-# Stages of a check: the agreement all-reduce on the check communicator; then, on the
+# Stages of a check: the agreement exchange on the check communicator; then, on the
 # detail communicator and only when needed, the per-rank values (all_gatherv's lengths,
 # or all_to_all's swapped counts),
 # or the sizes and then the bytes of every rank's full record (a mismatch).
@@ -61,6 +65,25 @@ _AGREE, _PER_RANK, _DETAIL_SIZES, _DETAIL = 1, 2, 3, 4
 
 _REAP_AFTER = 64  # posted ops beyond which each new one reaps the oldest completed ones
 _MAX_POSTED = 256  # posted ops beyond which a new one waits for the oldest
+# A gathered check row: the agreement hash and the per-rank value, then the payload.
+_HEADER = struct.Struct("=qq")
+assert _HEADER.size == HEADER_BYTES
+_NO_PAYLOAD = bytes(PAYLOAD_BYTES)
+_ROW_WORDS = ROW_BYTES // 8
+
+
+def _row_extremes(rows: bytearray) -> tuple[int, int, int, int]:
+    """The least and greatest agreement hash and per-rank value of gathered check rows."""
+    first = rows[:HEADER_BYTES]
+    for offset in range(ROW_BYTES, len(rows), ROW_BYTES):
+        if not rows.startswith(first, offset):
+            break
+    else:  # the usual case: every row says the same
+        value, per_rank = _HEADER.unpack(first)
+        return value, value, per_rank, per_rank
+    words = memoryview(rows).cast("q")
+    hashes, values = words[::_ROW_WORDS].tolist(), words[1::_ROW_WORDS].tolist()
+    return min(hashes), max(hashes), min(values), max(values)
 
 
 def _unpack_details(data: np.ndarray, sizes: list[int]) -> list[dict[str, Any]]:
@@ -84,7 +107,8 @@ class Group:
     """
 
     __slots__ = (
-        "check_comm", "check_seq", "comm", "detail_comm", "extra", "holder", "members", "queue", "rank", "size",
+        "check_comm", "check_seq", "comm", "detail_comm", "extra", "gathers", "holder", "members", "queue", "rank",
+        "size",
     )
 
     def __init__(self, members: tuple[int, ...], comm: Any, check_comm: Any, detail_comm: Any = None) -> None:
@@ -94,6 +118,8 @@ class Group:
         self.detail_comm = detail_comm if detail_comm is not None else MPI.COMM_NULL
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # Every member agrees on the size, so all of them post the same kind of check.
+        self.gathers = self.size <= INLINE_RANKS
         self.queue: deque[Op] = deque()
         self.check_seq = 0  # checks posted on check_comm so far
         self.extra: dict[str, Any] = {}  # per-group caches of the fast paths
@@ -138,6 +164,10 @@ class Op:
             counts of ``all_to_all`` with splits), in group order.
         compare: compare the records (the consistency check); with `exchange` alone the
             per-rank values are only exchanged.
+        payload: exactly ``PAYLOAD_BYTES`` bytes to carry in the check's row, in a group
+            whose checks gather rows; once the check passes, `post` receives every member's
+            row (a bytearray of ``ROW_BYTES`` per member, in group order) instead of a data
+            operation being needed.
     """
 
     __slots__ = (
@@ -155,6 +185,7 @@ class Op:
         "keep",
         "name",
         "nbytes",
+        "payload",
         "post",
         "protections",
         "record",
@@ -177,6 +208,7 @@ class Op:
         protections: tuple[Protection, ...] = (),
         exchange: bool | np.ndarray = False,
         compare: bool = True,
+        payload: bytes | None = None,
     ) -> None:
         self.name = name
         self.group = group
@@ -188,6 +220,7 @@ class Op:
         self.protections = protections
         self.exchange = exchange
         self.compare = compare and record is not None
+        self.payload = payload
         self.requests: list[Any] = []
         self.stepper: Stepper | None = None
         self.state = QUEUED
@@ -291,7 +324,8 @@ class Engine:
                         op.state = QUEUED
                     group.queue.append(op)
                     self.waiting_groups.add(group)
-                    self._pump(group)
+                    if op.state != CHECKING or group.queue[0] is not op:
+                        self._pump(group)  # else _wait_check pumps, once the check had time to meet
                 except MPI.Exception as exc:
                     raise self.mpi_failed(exc, op) from exc
         if direct:
@@ -312,13 +346,20 @@ class Engine:
         self.checks_posted += 1
         record = op.record
         assert record is not None
-        # Every check has this one shape, whatever the collective, so that two different
-        # collectives meet as a mismatch rather than as mismatched MPI calls.
+        # Every check of a group has one shape, whatever the collective (and whether it
+        # carries a payload), so that two different collectives meet as a mismatch rather
+        # than as mismatched MPI calls.
         value = record.check_value() if op.compare else 0
         per_rank = record.per_rank
-        op.check_send = np.array([value, -value, per_rank, -per_rank], np.int64)
-        op.check_recv = np.empty(4, np.int64)
-        op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
+        if group.gathers:
+            payload = op.payload
+            op.check_send = _HEADER.pack(value, per_rank) + (_NO_PAYLOAD if payload is None else payload)
+            op.check_recv = bytearray(ROW_BYTES * group.size)
+            op.check_req = group.check_comm.Iallgather(op.check_send, op.check_recv)
+        else:
+            op.check_send = np.array([value, -value, per_rank, -per_rank], np.int64)
+            op.check_recv = np.empty(4, np.int64)
+            op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
         op.check_stage = _AGREE
 
     def _advance_check(self, op: Op) -> bool:
@@ -331,35 +372,8 @@ class Engine:
         stage = op.check_stage
         received = op.check_recv
         if stage == _AGREE:
-            low, high = int(received[0]), -int(received[1])
-            if low == CLOSING and high != CLOSING:
-                self._met_departure(op, -int(received[2]) - 1)
-                return True
-            if low != high or low == ABANDON:
-                self._gather_detail_sizes(op)
-                return False
-            if low == FAILED_CALL:  # every rank's call failed on that rank, and each raised there
-                self._fail(op)
-                return True
-            shortest, longest = int(received[2]), -int(received[3])
-            if op.exchange is not False and op.exchange is not True:
-                # Counts to swap: posted on the detail communicator, in call order, like
-                # every later stage, so the data that depends on them keeps its order.
-                op.check_send = op.exchange
-                op.check_recv = np.empty(group.size, np.int64)
-                op.check_req = group.detail_comm.Ialltoall(op.check_send, op.check_recv)
-                op.check_stage = _PER_RANK
-                return False
-            if op.exchange and shortest != longest:
-                # The per-rank values differ (all_gatherv's lengths): gather them. Posted on
-                # the detail communicator, in call order, like every later stage.
-                op.check_send = np.array([op.record.per_rank], np.int64)
-                op.check_recv = np.empty(group.size, np.int64)
-                op.check_req = group.detail_comm.Iallgather(op.check_send, op.check_recv)
-                op.check_stage = _PER_RANK
-                return False
-            op.gathered = [shortest] * group.size
-        elif stage == _PER_RANK:
+            return self._agreed(op, received)
+        if stage == _PER_RANK:
             op.gathered = [int(v) for v in received]
         elif stage == _DETAIL_SIZES:
             sizes = [int(v) for v in received]
@@ -377,6 +391,48 @@ class Engine:
             self._fail(op)
             self._answer_abandoners(op, details)
             return True
+        self._check_passed(op)
+        return True
+
+    def _agreed(self, op: Op, received: Any) -> bool:
+        """The agreement stage of `op`'s check has completed: act on it (see `_advance_check`)."""
+        group = op.group
+        if group.gathers:
+            low, high, shortest, longest = _row_extremes(received)
+        else:
+            low, high = int(received[0]), -int(received[1])
+            shortest, longest = int(received[2]), -int(received[3])
+        if low == CLOSING and high != CLOSING:
+            self._met_departure(op, -shortest - 1)
+            return True
+        if low != high or low == ABANDON:
+            self._gather_detail_sizes(op)
+            return False
+        if low == FAILED_CALL:  # every rank's call failed on that rank, and each raised there
+            self._fail(op)
+            return True
+        if op.payload is not None:
+            op.gathered = received  # every member's row, payload included
+        elif op.exchange is not False and op.exchange is not True:
+            # Counts to swap: posted on the detail communicator, in call order, like
+            # every later stage, so the data that depends on them keeps its order.
+            op.check_send = op.exchange
+            op.check_recv = np.empty(group.size, np.int64)
+            op.check_req = group.detail_comm.Ialltoall(op.check_send, op.check_recv)
+            op.check_stage = _PER_RANK
+            return False
+        elif op.exchange and shortest != longest:
+            if not group.gathers:
+                # The per-rank values differ (all_gatherv's lengths): gather them. Posted on
+                # the detail communicator, in call order, like every later stage.
+                op.check_send = np.array([op.record.per_rank], np.int64)
+                op.check_recv = np.empty(group.size, np.int64)
+                op.check_req = group.detail_comm.Iallgather(op.check_send, op.check_recv)
+                op.check_stage = _PER_RANK
+                return False
+            op.gathered = memoryview(received).cast("q")[1::_ROW_WORDS].tolist()  # they came in the rows
+        else:
+            op.gathered = [shortest] * group.size
         self._check_passed(op)
         return True
 
@@ -425,7 +481,7 @@ class Engine:
 
     def _post_data(self, op: Op) -> None:
         try:
-            started = op.post(op.gathered) if op.exchange is not False else op.post()
+            started = op.post(op.gathered) if op.exchange is not False or op.payload is not None else op.post()
         except MPI.Exception as exc:
             message = f"MPI failed to start {op.describe()}: {exc}"
             self.ctx.mark_broken(message)
@@ -670,19 +726,26 @@ class Engine:
 
     def _wait_check(self, op: Op, grace: float) -> None:
         deadline = time.monotonic() + grace
-        backoff = Backoff()
+        backoff = None
         group = op.group
         while op.state == CHECKING:
             with self.lock:
                 if group.queue and group.queue[0] is op:
                     try:
-                        self._pump(group)  # the usual case: only this group has work to do
+                        if not self.stepping:
+                            # The usual case: only this check is awaited, and nothing in
+                            # flight needs this rank's steps, so testing the check alone for
+                            # a while is enough (a completed request tests True again).
+                            _spin(op.check_req)
+                        self._pump(group)
                     except MPI.Exception as exc:
                         raise self.mpi_failed(exc, op) from exc
                 else:
                     self.progress()
             if op.state != CHECKING or time.monotonic() >= deadline:
                 return
+            if backoff is None:
+                backoff = Backoff()
             backoff.pause()
 
     def drain(self, timeout: float | None) -> None:
@@ -736,6 +799,15 @@ class Engine:
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+_SPINS = 64  # tests of a check's request between rounds of the engine's progress
+
+
+def _spin(request: Any) -> None:
+    """Test `request` until it completes, at most `_SPINS` times."""
+    test = request.Test
+    for _ in range(_SPINS):
+        if test():
+            return
 
 
 class Backoff:

@@ -107,6 +107,14 @@ class ReduceCall:
         """Start the chosen transport's data movement (the engine calls it as the op's ``post``)."""
         return self.transport.start(self)
 
+    def start_from(self, rows: Any) -> list[Any] | Stepper:
+        """`start` for a call whose data travelled in its consistency check (`inline.InCheck`).
+
+        Args:
+            rows: every member's gathered check row, as the engine hands them to the op's ``post``.
+        """
+        return self.transport.start(self, rows)
+
 
 class PrivateCopy:
     """An input that is already a private host copy (a staged GPU tensor): nothing to protect.

@@ -1,8 +1,9 @@
 """Which transports each operation may use, in the order they are tried.
 
 `base.select` runs the first whose ``applies(call)`` is True, so a list ends with a
-transport that takes everything. Small all-reduces stay on MPI whatever the settings (a
-copy of the input is cheaper than anything else at that size); large host ones go through
+transport that takes everything. The smallest checked all-reduces of small groups travel in
+their consistency check (`inline`); other small all-reduces stay on MPI whatever the settings
+(a copy of the input is cheaper than anything else at that size); large host ones go through
 node peers' shared memory where it applies. A GPU tensor staged into pinned memory takes
 shared memory where a host input of its size would (so every rank runs the same algorithm),
 else MPI reduces the pinned copy in place.
@@ -11,12 +12,16 @@ else MPI reduces the pinned copy in place.
 from __future__ import annotations
 
 from .base import Transport
+from .inline import InCheck
 from .mpi import InPlace, OnCopy, Plain
 from .shm import SharedMemory
 
-__all__ = ["ALL_REDUCE", "PLAIN", "SHARED_MEMORY", "STAGED_ALL_REDUCE"]
+__all__ = ["ALL_REDUCE", "ALL_REDUCE_CHECKED", "IN_CHECK", "PLAIN", "SHARED_MEMORY", "STAGED_ALL_REDUCE"]
 
 SHARED_MEMORY = SharedMemory()
 PLAIN = Plain()
+IN_CHECK = InCheck()
 ALL_REDUCE: tuple[Transport, ...] = (InPlace(), SHARED_MEMORY, PLAIN)
+# Checked calls (their check can carry the smallest ones): unchecked ones never ask.
+ALL_REDUCE_CHECKED: tuple[Transport, ...] = (IN_CHECK, *ALL_REDUCE)
 STAGED_ALL_REDUCE: tuple[Transport, ...] = (SHARED_MEMORY, OnCopy())

@@ -7,6 +7,7 @@ buffer MPI reduces in place. `Plain` takes every other host message: MPI reads t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from ..._core.mpi import MPI
 from ..base import ReduceCall
 from ..reduction import reduction_buffers, reduction_input
 
-__all__ = ["SMALL_BYTES", "InPlace", "OnCopy", "Plain", "all_reduce_buffers"]
+__all__ = ["SMALL_BYTES", "InPlace", "OnCopy", "Plain", "all_reduce_buckets", "all_reduce_buffers"]
 
 # Up to this size a copy of the input costs less than write-protecting it in flight.
 SMALL_BYTES = 16 << 10
@@ -114,3 +115,21 @@ def all_reduce_buffers(comm: Any, send: Any, out: Any, plan: Any) -> list[Any]:
     """
     datatype = plan.datatype
     return [comm.Iallreduce([send, datatype], [out, datatype], plan.mpi_op)]
+
+
+def all_reduce_buckets(comm: Any, plans: Sequence[Any], sends: Sequence[Any], recvs: Sequence[Any]) -> list[Any]:
+    """``MPI_Iallreduce`` of packed buckets (the fused all-reduce's data): one per bucket.
+
+    Args:
+        comm: the group's data communicator.
+        plans: each bucket's `ReducePlan` (MPI datatype and op).
+        sends: each bucket's packed input.
+        recvs: each bucket's result buffer.
+
+    Returns:
+        The requests, one per bucket.
+    """
+    return [
+        comm.Iallreduce([send, plan.datatype], [out, plan.datatype], plan.mpi_op)
+        for plan, send, out in zip(plans, sends, recvs)
+    ]

@@ -1,0 +1,89 @@
+"""The all-reduce carried by the consistency check itself: no data operation at all.
+
+In a small group every check is one fixed-size ``MPI_Iallgather`` of a row of `ROW_BYTES` per
+rank: the agreement hash and a per-rank value (two int64, `HEADER_BYTES`), then
+`PAYLOAD_BYTES` of payload. A checked all-reduce whose
+work buffer fits the payload puts its (converted) input there; once the check has shown that
+every rank called the same all-reduce, each rank reduces the gathered payloads itself, in
+rank order, with the same NumPy code: every rank gets the same bits, and the data costs no
+second round trip. The engine builds the rows and calls `InCheck.start` with the gathered
+payloads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import ReduceCall
+
+__all__ = ["HEADER_BYTES", "INLINE_RANKS", "PAYLOAD_BYTES", "ROW_BYTES", "InCheck"]
+
+# Groups of up to this many ranks gather their checks' rows (beyond, gathering every row to
+# every rank costs more than the all-reduce of a fixed record it replaces).
+INLINE_RANKS = 8
+# A check row: the header (agreement hash, per-rank value), then the payload; all-reduces
+# whose work buffer fits the payload travel inside the check.
+HEADER_BYTES = 16
+PAYLOAD_BYTES = 64
+ROW_BYTES = HEADER_BYTES + PAYLOAD_BYTES
+
+
+class InCheck:
+    """The all-reduce of a small checked call, reduced locally from the gathered check rows."""
+
+    name = "in-check"
+
+    def applies(self, call: ReduceCall) -> bool:
+        """Checked calls in groups of 2 to `INLINE_RANKS` ranks whose work buffer fits the payload.
+
+        Half precision (rounded back once) is left to MPI. Every input of the decision is
+        agreed on by the ranks (group size, configuration, shape, dtype and op), so every
+        rank of a matched call chooses alike; a mismatched call is caught by the check first.
+        """
+        # Only checked calls ask (`select.ALL_REDUCE_CHECKED`); the configuration is asked
+        # again all the same, and the input's size cuts most calls short.
+        if not call.ctx.config.check or call.nbytes > PAYLOAD_BYTES << 3:
+            return False
+        plan = call.plan
+        return (
+            call.source.array.size * plan.work_dtype.itemsize <= PAYLOAD_BYTES
+            and 1 < call.group.size <= INLINE_RANKS
+            and not plan.rounds_back
+        )
+
+    def prepare(self, call: ReduceCall) -> None:
+        """The payload: the input's bytes in the work dtype, padded; the result: a fresh array.
+
+        MAX and MIN are reduced on the values themselves by the plan's ``combine`` (which
+        gives the canonical NaN and the bits MPI's reduction of keys gives), so nothing is
+        encoded and nothing decoded.
+        """
+        buffer = call.source.buffer  # contiguous, native order
+        work_dtype = call.plan.work_dtype
+        data = buffer.tobytes() if buffer.dtype == work_dtype else buffer.astype(work_dtype).tobytes()
+        call.send = data.ljust(PAYLOAD_BYTES, b"\0")
+        call.out = call.final = np.empty(buffer.shape, work_dtype)
+        call.decoded = True
+
+    def start(self, call: ReduceCall, rows: bytearray | None = None) -> list[Any]:
+        """Reduce every rank's payload into the result, in rank order; no MPI operation is posted.
+
+        Args:
+            call: the call.
+            rows: the gathered check rows, `ROW_BYTES` per member in group order.
+
+        Returns:
+            No requests: the result is final.
+        """
+        assert rows is not None, "the in-check all-reduce needs the gathered rows"
+        out = call.out
+        dtype, count = out.dtype, out.size
+        target = out if out.ndim == 1 else out.reshape(-1)
+        combine = call.plan.combine
+        first = np.frombuffer(rows, dtype, count, HEADER_BYTES)
+        for offset in range(ROW_BYTES + HEADER_BYTES, len(rows), ROW_BYTES):
+            combine(first, np.frombuffer(rows, dtype, count, offset), out=target)
+            first = target
+        return []
