@@ -21,11 +21,6 @@ import mpitensor
 PACKAGE = Path(mpitensor.__file__).parent
 CHECKED = ("_collectives", "torch")
 
-# Files of `_collectives/` that still post data MPI calls themselves, until their calls move
-# under `_transport/`. Each entry must still make such a call (see the last test), so that the
-# list shrinks as they move.
-NOT_YET_MOVED = ("_collectives/fused.py",)
-
 _NONBLOCKING = re.compile(r"I[a-z][a-z_]*")
 _NOT_DATA = frozenset({"Info", "Intercomm", "Intracomm"})  # mpi4py classes, not calls
 _BLOCKING = frozenset({
@@ -86,7 +81,7 @@ def test_the_transport_layer_is_where_the_calls_are():
 def test_collectives_make_no_data_mpi_call_of_their_own():
     stray = [
         f"mpitensor/{path}:{line}: {name}"
-        for path, calls in calls_by_file().items() if path not in NOT_YET_MOVED
+        for path, calls in calls_by_file().items()
         for line, name in calls
     ]
     assert not stray, (
@@ -94,8 +89,3 @@ def test_collectives_make_no_data_mpi_call_of_their_own():
         "of _transport/mpi/ taking the group as a Channel):\n" + "\n".join(stray)
     )
 
-
-def test_every_file_not_yet_moved_still_makes_a_call():
-    found = calls_by_file()
-    stale = [path for path in NOT_YET_MOVED if path not in found]
-    assert not stale, f"these files make no data MPI call any more: take them off the list: {stale}"

@@ -2,7 +2,8 @@
 
 - `all_reduce`: the all-reduce as transports (`InPlace` for small messages, `Plain` the
   catch-all that ends every host all-reduce's list in `select`, `OnCopy` in place on a
-  staged GPU copy), and `all_reduce_buffers` for device buffers.
+  staged GPU copy), `all_reduce_buffers` for device buffers and `all_reduce_buckets` for
+  the fused all-reduce's buckets.
 - `rooted`: one rank sends to the group or receives from it (broadcast, reduce, gather,
   scatter).
 - `symmetric`: every rank sends and receives alike (all-gather, all-to-all, reduce-scatter,
@@ -16,7 +17,7 @@ an operation with several ways to move its data has `Transport` objects chosen b
 
 from __future__ import annotations
 
-from .all_reduce import SMALL_BYTES, InPlace, OnCopy, Plain, all_reduce_buffers
+from .all_reduce import SMALL_BYTES, InPlace, OnCopy, Plain, all_reduce_buckets, all_reduce_buffers
 from .p2p import recv, send
 from .rooted import broadcast, broadcast_each, gather, gatherv, reduce, scatter, scatterv
 from .symmetric import (
@@ -34,7 +35,8 @@ from .symmetric import (
 )
 
 __all__ = [
-    "SMALL_BYTES", "InPlace", "OnCopy", "Plain", "all_gather", "all_gather_each", "all_gatherv", "all_reduce_buffers",
+    "SMALL_BYTES", "InPlace", "OnCopy", "Plain", "all_gather", "all_gather_each", "all_gatherv", "all_reduce_buckets",
+    "all_reduce_buffers",
     "all_to_all", "all_to_allv", "barrier", "broadcast", "broadcast_each", "exscan", "gather", "gatherv", "recv",
     "reduce", "reduce_scatter", "reduce_scatter_block", "reduce_scatter_block_each", "scan", "scatter", "scatterv",
     "send",
