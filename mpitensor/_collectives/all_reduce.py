@@ -80,13 +80,9 @@ def all_reduce(
         return all_reduce_with_options(ctx, source, group, reduce_op, out, (prescale_factor, postscale_factor))
     call = ReduceCall(ctx, group, source, reduce_plan(reduce_op, source.buffer.dtype), source.array.nbytes)
     checked = ctx.config.check and group.size > 1
-    (transport := select(ALL_REDUCE_CHECKED if checked else ALL_REDUCE, call)).prepare(call)
+    select(ALL_REDUCE_CHECKED if checked else ALL_REDUCE, call).prepare(call)
     record = shared_record("all_reduce", reduce_op, source.array, group.members) if checked else None
-    if transport is IN_CHECK:  # the data travels in the check
-        collective = Op("all_reduce", group, call.nbytes, call.start_from, _finish(call), record, payload=call.send)
-    else:
-        collective = Op("all_reduce", group, call.nbytes, call.start, _finish(call), record, (call,), call.protections)
-    ctx.engine.submit(collective)
+    ctx.engine.submit(collective := _op(call, record))
     return CollectiveTensor(collective, wrap_array(call.final, result_device(ctx, source)), ctx)
 
 
@@ -123,6 +119,14 @@ def _on_gpu(ctx: DistributedContext, source: Input, group: Group, reduce_op: Red
     pre, post = factors
     return staged(ctx, source, group, lambda host, members: all_reduce(
         host, reduce_op, members, prescale_factor=pre, postscale_factor=post))
+
+
+def _op(call: ReduceCall, record: Any) -> Op:
+    """The call's op: its data in its check (`IN_CHECK`), or posted by its transport's ``start``."""
+    if call.transport is IN_CHECK:
+        return Op("all_reduce", call.group, call.nbytes, call.start_from, IN_CHECK.finisher(call), record,
+                  payload=call.send)
+    return Op("all_reduce", call.group, call.nbytes, call.start, _finish(call), record, (call,), call.protections)
 
 
 def _finish(call: ReduceCall) -> Any:

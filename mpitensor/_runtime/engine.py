@@ -29,7 +29,7 @@ import numpy as np
 from .._core.errors import CollectiveTimeoutError, ContextBrokenError
 from .._core.mpi import MPI
 from .._transport.base import Stepper
-from .._transport.inline import HEADER_BYTES, INLINE_RANKS, PAYLOAD_BYTES, ROW_BYTES
+from .._transport.inline import CARRIED, HEADER_BYTES, INLINE_RANKS, PAYLOAD_BYTES, ROW_BYTES
 from .check import (
     ABANDON,
     ABANDONED_KIND,
@@ -167,7 +167,8 @@ class Op:
         payload: exactly ``PAYLOAD_BYTES`` bytes to carry in the check's row, in a group
             whose checks gather rows; once the check passes, `post` receives every member's
             row (a bytearray of ``ROW_BYTES`` per member, in group order) instead of a data
-            operation being needed.
+            operation being needed, or None when some member's row carried no input (its
+            `post` then starts MPI's all-reduce, as that member does).
     """
 
     __slots__ = (
@@ -350,13 +351,14 @@ class Engine:
         # carries a payload), so that two different collectives meet as a mismatch rather
         # than as mismatched MPI calls.
         value = record.check_value() if op.compare else 0
-        per_rank = record.per_rank
         if group.gathers:
             payload = op.payload
+            per_rank = record.per_rank if payload is None else CARRIED
             op.check_send = _HEADER.pack(value, per_rank) + (_NO_PAYLOAD if payload is None else payload)
             op.check_recv = bytearray(ROW_BYTES * group.size)
             op.check_req = group.check_comm.Iallgather(op.check_send, op.check_recv)
         else:
+            per_rank = record.per_rank
             op.check_send = np.array([value, -value, per_rank, -per_rank], np.int64)
             op.check_recv = np.empty(4, np.int64)
             op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
@@ -412,7 +414,9 @@ class Engine:
             self._fail(op)
             return True
         if op.payload is not None:
-            op.gathered = received  # every member's row, payload included
+            # Every member's row, payload included; None if some member carried no input
+            # (it reduces through MPI, and so must this rank).
+            op.gathered = received if shortest == longest == CARRIED else None
         elif op.exchange is not False and op.exchange is not True:
             # Counts to swap: posted on the detail communicator, in call order, like
             # every later stage, so the data that depends on them keeps its order.

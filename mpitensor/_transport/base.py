@@ -111,7 +111,8 @@ class ReduceCall:
         """`start` for a call whose data travelled in its consistency check (`inline.InCheck`).
 
         Args:
-            rows: every member's gathered check row, as the engine hands them to the op's ``post``.
+            rows: every member's gathered check row, as the engine hands them to the op's
+                ``post``; None when some member's row carried no input (see `inline`).
         """
         return self.transport.start(self, rows)
 

@@ -8,17 +8,27 @@ every rank called the same all-reduce, each rank reduces the gathered payloads i
 rank order, with the same NumPy code: every rank gets the same bits, and the data costs no
 second round trip. The engine builds the rows and calls `InCheck.start` with the gathered
 payloads.
+
+A row that carries an input says so (its per-rank value is `CARRIED`). A member may reduce
+the same call without carrying it (a GPU tensor staged later, a result written into
+``out=``): the hashes then agree but some row carries nothing, every member sees that in the
+same rows, and the members that carried their input post MPI's in-place all-reduce on a copy
+of it instead, which meets the others' `MPI_Iallreduce` on the data communicator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from .base import ReduceCall
+from .mpi import OnCopy
+from .reduction import finish_reduction
 
-__all__ = ["HEADER_BYTES", "INLINE_RANKS", "PAYLOAD_BYTES", "ROW_BYTES", "InCheck"]
+__all__ = ["CARRIED", "HEADER_BYTES", "INLINE_RANKS", "PAYLOAD_BYTES", "ROW_BYTES", "InCheck"]
 
 # Groups of up to this many ranks gather their checks' rows (beyond, gathering every row to
 # every rank costs more than the all-reduce of a fixed record it replaces).
@@ -28,6 +38,9 @@ INLINE_RANKS = 8
 HEADER_BYTES = 16
 PAYLOAD_BYTES = 64
 ROW_BYTES = HEADER_BYTES + PAYLOAD_BYTES
+# The per-rank value of a row that carries its all-reduce's input (an all-reduce's own is -1).
+CARRIED = 1
+_ON_COPY = OnCopy()
 
 
 class InCheck:
@@ -72,18 +85,35 @@ class InCheck:
 
         Args:
             call: the call.
-            rows: the gathered check rows, `ROW_BYTES` per member in group order.
+            rows: the gathered check rows, `ROW_BYTES` per member in group order; None when
+                some member's row carried no input: MPI then reduces this rank's copy.
 
         Returns:
-            No requests: the result is final.
+            No requests (the result is final), or MPI's in-place all-reduce's.
         """
-        assert rows is not None, "the in-check all-reduce needs the gathered rows"
         out = call.out
         dtype, count = out.dtype, out.size
         target = out if out.ndim == 1 else out.reshape(-1)
+        if rows is None:
+            # The copy taken at the call: the input itself may have been written since.
+            np.copyto(target, np.frombuffer(call.send, dtype, count))
+            call.decoded = False  # MPI reduces MAX/MIN keys, which the finish decodes
+            return _ON_COPY.start(call)
         combine = call.plan.combine
         first = np.frombuffer(rows, dtype, count, HEADER_BYTES)
         for offset in range(ROW_BYTES + HEADER_BYTES, len(rows), ROW_BYTES):
             combine(first, np.frombuffer(rows, dtype, count, offset), out=target)
             first = target
         return []
+
+    def finisher(self, call: ReduceCall) -> Callable[[], None] | None:
+        """What finishes the result (MEAN's division, decoding after MPI's path), or None."""
+        plan = call.plan
+        if plan.divide or plan.codec is not None:
+            return partial(_finish, call)
+        return None
+
+
+def _finish(call: ReduceCall) -> None:
+    # `decoded` is read now: it is False only if MPI's path ran (`start` without rows).
+    finish_reduction(call.out, call.final, call.plan, call.group.size, call.decoded)

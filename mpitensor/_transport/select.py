@@ -5,15 +5,15 @@ transport that takes everything. The smallest checked all-reduces of small group
 their consistency check (`inline`); other small all-reduces stay on MPI whatever the settings
 (a copy of the input is cheaper than anything else at that size); large host ones go through
 node peers' shared memory where it applies. A GPU tensor staged into pinned memory takes
-shared memory where a host input of its size would (so every rank runs the same algorithm),
-else MPI reduces the pinned copy in place.
+the path a host input of its size would (MPI for small ones, shared memory where it
+applies), so every rank runs the same algorithm; MPI reduces the pinned copy in place.
 """
 
 from __future__ import annotations
 
 from .base import Transport
 from .inline import InCheck
-from .mpi import InPlace, OnCopy, Plain
+from .mpi import InPlace, OnCopy, Plain, SmallOnCopy
 from .shm import SharedMemory
 
 __all__ = ["ALL_REDUCE", "ALL_REDUCE_CHECKED", "IN_CHECK", "PLAIN", "SHARED_MEMORY", "STAGED_ALL_REDUCE"]
@@ -24,4 +24,4 @@ IN_CHECK = InCheck()
 ALL_REDUCE: tuple[Transport, ...] = (InPlace(), SHARED_MEMORY, PLAIN)
 # Checked calls (their check can carry the smallest ones): unchecked ones never ask.
 ALL_REDUCE_CHECKED: tuple[Transport, ...] = (IN_CHECK, *ALL_REDUCE)
-STAGED_ALL_REDUCE: tuple[Transport, ...] = (SHARED_MEMORY, OnCopy())
+STAGED_ALL_REDUCE: tuple[Transport, ...] = (SmallOnCopy(), SHARED_MEMORY, OnCopy())

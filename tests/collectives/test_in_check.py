@@ -159,3 +159,35 @@ def test_small_call_failed_on_one_rank(ctx):
     else:
         _expect_mismatch(lambda: mt.all_reduce(np.ones(2)), "Collective failed on another rank")
     _still_usable(ctx)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("how", ["out", "prescale"])
+@pytest.mark.parametrize("op", [OP.SUM, OP.MEAN, OP.MAX])
+def test_small_call_meets_the_same_call_through_mpi(ctx, how, op):
+    """One rank reduces the same call through MPI (``out=``, a factor of 1): no row carries alone.
+
+    The ranks whose rows carried their input see that one did not, and reduce theirs through
+    MPI too: every rank gets the reference (NaN through MAX's keys included), and the data
+    communicator stays in step for the calls after it.
+    """
+    inputs = [np.arange(4, dtype=np.float64) * (r + 1) - r for r in range(ctx.size)]
+    inputs[0][1] = np.nan if op is OP.MAX else inputs[0][1]
+    expected = reference(op, inputs)
+    mine = inputs[ctx.rank].copy()
+    if ctx.rank == ctx.size - 1:
+        if how == "out":
+            out = np.empty(4)
+            got = mt.all_reduce(mine, op, out=out).resolve()
+            assert np.shares_memory(np.asarray(got), out)
+        else:
+            got = mt.all_reduce(mine, op, prescale_factor=1).resolve()
+    else:
+        pending = mt.all_reduce(mine, op)
+        mine[:] = -7.0  # the copy taken at the call is what is reduced, whatever path it takes
+        got = pending.resolve()
+    ok = np.allclose(np.asarray(got), expected, equal_nan=True)
+    agree(ok, f"{op.name} with {how} on rank {ctx.size - 1}: {np.asarray(got)} vs {expected}")
+    larger = mt.all_reduce(np.ones(1000)).resolve()
+    agree(bool((larger.numpy() == ctx.size).all()), "the all-reduce after it")
+    _still_usable(ctx)

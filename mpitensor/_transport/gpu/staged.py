@@ -2,10 +2,11 @@
 
 The device array is copied into a pooled pinned buffer on the copy stream (`staging.stage`),
 after the event that marks the end of the work producing it. The copy is offered, as a
-`base.PrivateCopy`, to the host transports of `select.STAGED_ALL_REDUCE`: the first that
-applies (the shared-memory all-reduce where a host input of the same size would take it,
-so that ranks with host and GPU inputs run the same algorithm; else MPI in place on the
-copy) is prepared at the call and started by the engine once the copy is done
+`base.PrivateCopy`, to the host transports of `select.STAGED_ALL_REDUCE`, which take it
+where a host input of the same size would go, so that ranks with host and GPU inputs run
+the same algorithm: MPI in place on the copy for small ones whatever the settings, the
+shared-memory all-reduce where it applies, else MPI in place. The first that applies is
+prepared at the call and started by the engine once the copy is done
 (`after_event.AfterEvent`: polled, never waited for). The result is copied back to the
 device, divided, decoded and rounded there, and ordered before the caller's later work.
 """

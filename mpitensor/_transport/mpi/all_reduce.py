@@ -16,10 +16,17 @@ from ..._core.mpi import MPI
 from ..base import ReduceCall
 from ..reduction import reduction_buffers, reduction_input
 
-__all__ = ["SMALL_BYTES", "InPlace", "OnCopy", "Plain", "all_reduce_buckets", "all_reduce_buffers"]
+__all__ = [
+    "SMALL_BYTES", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_reduce_buckets", "all_reduce_buffers", "is_small",
+]
 
 # Up to this size a copy of the input costs less than write-protecting it in flight.
 SMALL_BYTES = 16 << 10
+
+
+def is_small(call: ReduceCall) -> bool:
+    """Whether `call` is small enough for MPI in place whatever the settings (see `InPlace`)."""
+    return call.nbytes <= SMALL_BYTES and not call.plan.rounds_back
 
 
 class InPlace:
@@ -29,7 +36,7 @@ class InPlace:
 
     def applies(self, call: ReduceCall) -> bool:
         """Messages of up to `SMALL_BYTES` whose result is not rounded back (half precision)."""
-        return call.nbytes <= SMALL_BYTES and not call.plan.rounds_back
+        return is_small(call)
 
     def prepare(self, call: ReduceCall) -> None:
         """Copy the input (encoded into MAX/MIN keys where the plan has a codec) into `out`."""
@@ -99,6 +106,21 @@ class OnCopy:
         if plan.codec is not None:
             plan.codec.encode(call.out, call.out)
         return [call.group.comm.Iallreduce(MPI.IN_PLACE, [call.out, plan.datatype], plan.mpi_op)]
+
+
+class SmallOnCopy(OnCopy):
+    """`OnCopy` for the staged copies a host input of their size would send through `InPlace`.
+
+    It comes first in the staged list: small host inputs never go through shared memory
+    (whatever the settings), so neither may small staged ones, or ranks holding host and GPU
+    tensors would run different algorithms.
+    """
+
+    name = "mpi-on-copy-small"
+
+    def applies(self, call: ReduceCall) -> bool:
+        """Calls `InPlace` would take from a host input."""
+        return is_small(call)
 
 
 def all_reduce_buffers(comm: Any, send: Any, out: Any, plan: Any) -> list[Any]:

@@ -14,10 +14,12 @@ import pytest
 
 import mpitensor as mt
 from mpitensor._core.dtypes import reduce_plan
+from mpitensor._transport.base import PrivateCopy, ReduceCall, select
 from mpitensor._transport.gpu.after_event import AfterEvent
 from mpitensor._transport.gpu.fix_up import FixUp, apply
 from mpitensor._transport.gpu.staged import host_reduction, result_fix
 from mpitensor._transport.mpi import OnCopy
+from mpitensor._transport.select import ALL_REDUCE
 from mpitensor._transport.shm import SharedMemory
 from tests.helpers import OP, assert_matches, rank_input, reference, seed_of
 
@@ -79,17 +81,26 @@ def test_staged_copy_reduces_to_the_reference(shared_memory, op, dtype, shape):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("shared_memory", [True, False])
-def test_staged_copy_takes_the_transport_a_host_input_would(shared_memory):
+@pytest.mark.parametrize("shared_memory", [True, None, False])
+@pytest.mark.parametrize("count", [4096, 4097, 1 << 18])
+def test_staged_copy_takes_the_transport_a_host_input_would(shared_memory, count):
+    """A rank with a GPU input runs the algorithm a rank with the host input of that size runs.
+
+    (In place through MPI up to 16 KiB whatever the settings, then shared memory where it
+    applies: a mixed group must never have one rank in shared memory and another in MPI.)
+    """
     config = mt.DistributedConfig(shared_memory=shared_memory, device="cpu")
     with mt.DistributedContext.init(config=config) as ctx:
-        local = np.ones(4096, np.float32)
+        local = np.ones(count, np.float32)
         call, result = _reduce_staged_copy(ctx, OP.SUM, local)
         host = mt.all_reduce(local).resolve()  # the host input of the same size, on the same ranks
         np.testing.assert_array_equal(result, np.asarray(host))
-        shm = shared_memory and ctx.size > 1 and SharedMemory().applies(call)
-        assert isinstance(call.transport, SharedMemory if shm else OnCopy)
+        host_call = ReduceCall(ctx, ctx.full_group, PrivateCopy(local), call.plan, local.nbytes)
+        shm = isinstance(select(ALL_REDUCE, host_call), SharedMemory)
+        assert isinstance(call.transport, SharedMemory if shm else OnCopy), (call.transport.name, shm)
         assert call.decoded == shm
+        if count == 4096 or shared_memory is False:
+            assert not shm, "small messages, or shared memory off: MPI on every rank"
 
 
 def test_result_fix_decodes_only_keys():
