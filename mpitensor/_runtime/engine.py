@@ -736,10 +736,12 @@ class Engine:
             with self.lock:
                 if group.queue and group.queue[0] is op:
                     try:
-                        if not self.stepping:
+                        if backoff is None and not self.stepping:
                             # The usual case: only this check is awaited, and nothing in
                             # flight needs this rank's steps, so testing the check alone for
-                            # a while is enough (a completed request tests True again).
+                            # a while is enough (a completed request tests True again). Only
+                            # at first: a check that takes longer waits for a peer, which on
+                            # an oversubscribed node needs this rank to yield its core soon.
                             _spin(op.check_req)
                         self._pump(group)
                     except MPI.Exception as exc:
@@ -804,6 +806,7 @@ class Engine:
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 _SPINS = 64  # tests of a check's request between rounds of the engine's progress
+_SPIN_PAUSES = 4  # pauses that only spin before the backoff yields the core (peers may need it)
 
 
 def _spin(request: Any) -> None:
@@ -829,7 +832,7 @@ class Backoff:
 
     def pause(self) -> None:
         self.count += 1
-        if self.count < 50:
+        if self.count < _SPIN_PAUSES:
             return
         if self.count < 5000:
             # Not time.sleep(0), which sleeps a timer slack (50 us or more): a yield costs
