@@ -27,7 +27,7 @@ from .._core.pool import HostPool
 from . import failfast as _failfast
 from .check import CLOSE_KIND, Record
 from .diagnosis import Diagnosis
-from .engine import Engine, Group
+from .engine import OVERSUBSCRIBED_SPIN_PAUSES, SPIN_PAUSES, Engine, Group
 from .progress import ProgressThread
 
 __all__ = ["DevicesArg", "DistributedContext", "current_context"]
@@ -170,7 +170,10 @@ class DistributedContext:
         self.engine = Engine(self)
         self.pool = _host_pool
         self.diagnosis = Diagnosis(self) if config.check and self._size > 1 else None
-        if self._size > 1 and _progress_wanted(config, thread_level, self._spare_cores(), self._device.kind):
+        spare = self._spare_cores() if self._size > 1 else 0
+        # More ranks than cores here: a waiting rank must soon yield the core its peer needs.
+        self.engine.spin_pauses = OVERSUBSCRIBED_SPIN_PAUSES if spare < 0 else SPIN_PAUSES
+        if self._size > 1 and _progress_wanted(config, thread_level, spare, self._device.kind):
             self.engine.progress_thread = ProgressThread(self.engine)
         _state.push(self)
         if config.fail_fast:

@@ -297,6 +297,7 @@ class Engine:
         self.stepping = 0  # posted ops driven by steps rather than by MPI alone
         self.checks_posted = 0  # on every group, for the failed turns of `_entry`
         self.progress_thread: Waker | None = None
+        self.spin_pauses = SPIN_PAUSES  # see `Backoff`; the context sets it for its node
 
     # -- starting ----------------------------------------------------------------------
 
@@ -751,7 +752,7 @@ class Engine:
             if op.state != CHECKING or time.monotonic() >= deadline:
                 return
             if backoff is None:
-                backoff = Backoff()
+                backoff = Backoff(self.spin_pauses)
             backoff.pause()
 
     def drain(self, timeout: float | None) -> None:
@@ -770,7 +771,7 @@ class Engine:
             raise ContextBrokenError(message) from thread.error
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
-        backoff = Backoff()
+        backoff = Backoff(self.spin_pauses)
         diagnosis = self.ctx.diagnosis
         while True:
             self.progress()
@@ -806,7 +807,10 @@ class Engine:
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 _SPINS = 64  # tests of a check's request between rounds of the engine's progress
-_SPIN_PAUSES = 4  # pauses that only spin before the backoff yields the core (peers may need it)
+# Pauses of a wait that only spin before it yields the core: few where the node has more
+# ranks than cores (the peer waited for may need this core), more where each rank has one.
+SPIN_PAUSES = 50
+OVERSUBSCRIBED_SPIN_PAUSES = 4
 
 
 def _spin(request: Any) -> None:
@@ -823,16 +827,21 @@ class Backoff:
     Waiting ranks leave the CPU to others this way: with more ranks than cores, the peer a
     rank waits for may need its core. Pauses stay short (at most 100 us), since what a rank
     waits for usually arrives within microseconds once its peers run.
+
+    Args:
+        spins: pauses that only spin before the first yield (`SPIN_PAUSES`, or
+            `OVERSUBSCRIBED_SPIN_PAUSES` where the node has more ranks than cores).
     """
 
-    __slots__ = ("count",)
+    __slots__ = ("count", "spins")
 
-    def __init__(self) -> None:
+    def __init__(self, spins: int = SPIN_PAUSES) -> None:
         self.count = 0
+        self.spins = spins
 
     def pause(self) -> None:
         self.count += 1
-        if self.count < _SPIN_PAUSES:
+        if self.count < self.spins:
             return
         if self.count < 5000:
             # Not time.sleep(0), which sleeps a timer slack (50 us or more): a yield costs
