@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall, select
 from .._transport.mpi import SMALL_BYTES
-from .._transport.reduction import finish_reduction
+from .._transport.reduction import reduction_finisher
 from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED, IN_CHECK
 from .common import PLAIN_DTYPES, CollectiveTensor, Input, context_for, follow, result_device, take_input
 from .fused import fused_all_reduce
@@ -123,15 +122,7 @@ def _on_gpu(ctx: DistributedContext, source: Input, group: Group, reduce_op: Red
 
 def _op(call: ReduceCall, record: Any) -> Op:
     """The call's op: its data in its check (`IN_CHECK`), or posted by its transport's ``start``."""
+    finish = reduction_finisher(call)
     if call.transport is IN_CHECK:
-        return Op("all_reduce", call.group, call.nbytes, call.start_from, IN_CHECK.finisher(call), record,
-                  payload=call.send)
-    return Op("all_reduce", call.group, call.nbytes, call.start, _finish(call), record, (call,), call.protections)
-
-
-def _finish(call: ReduceCall) -> Any:
-    """What turns the reduced buffer into the result, or None where nothing is left to do."""
-    plan = call.plan
-    if plan.divide or call.final is not call.out or (plan.codec is not None and not call.decoded):
-        return partial(finish_reduction, call.out, call.final, plan, call.group.size, call.decoded)
-    return None
+        return Op("all_reduce", call.group, call.nbytes, call.start_from, finish, record, payload=call.send)
+    return Op("all_reduce", call.group, call.nbytes, call.start, finish, record, (call,), call.protections)

@@ -248,7 +248,7 @@ class Diagnosis:
             self._send(member, _HELLO, {"members": members, "attempt": attempt, "abandon": None})
         start = time.monotonic()
         timeout = self.ctx.timeout
-        backoff = Backoff()
+        backoff = Backoff(self.ctx.engine.spin_pauses)
         while True:
             self._drain()
             heard = self.hellos.get((members, attempt), {})

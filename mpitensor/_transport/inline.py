@@ -18,15 +18,12 @@ of it instead, which meets the others' `MPI_Iallreduce` on the data communicator
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
 
 from .base import ReduceCall
 from .mpi import OnCopy
-from .reduction import finish_reduction
 
 __all__ = ["CARRIED", "HEADER_BYTES", "INLINE_RANKS", "PAYLOAD_BYTES", "ROW_BYTES", "InCheck"]
 
@@ -105,15 +102,3 @@ class InCheck:
             combine(first, np.frombuffer(rows, dtype, count, offset), out=target)
             first = target
         return []
-
-    def finisher(self, call: ReduceCall) -> Callable[[], None] | None:
-        """What finishes the result (MEAN's division, decoding after MPI's path), or None."""
-        plan = call.plan
-        if plan.divide or plan.codec is not None:
-            return partial(_finish, call)
-        return None
-
-
-def _finish(call: ReduceCall) -> None:
-    # `decoded` is read now: it is False only if MPI's path ran (`start` without rows).
-    finish_reduction(call.out, call.final, call.plan, call.group.size, call.decoded)

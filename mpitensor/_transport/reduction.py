@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-__all__ = ["finish_reduction", "reduction_buffers", "reduction_input"]
+__all__ = ["finish_reduction", "reduction_buffers", "reduction_input", "reduction_finisher"]
 
 
 def reduction_input(ctx: Any, source: Any, plan: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -74,3 +76,20 @@ def finish_reduction(work: np.ndarray, final: np.ndarray, plan: Any, size: int, 
         plan.codec.decode(work)
     if final is not work:
         np.copyto(final, work, casting="unsafe")
+
+
+def reduction_finisher(call: Any) -> Callable[[], None] | None:
+    """What turns a `ReduceCall`'s reduced buffer into its result, or None where nothing is left to do.
+
+    ``call.decoded`` is read when the finisher runs, not now: a transport may learn only once
+    started whether its result holds MAX/MIN keys (the in-check all-reduce that falls back to
+    MPI's).
+    """
+    plan = call.plan
+    if plan.divide or call.final is not call.out or plan.codec is not None:
+        return partial(_finish_call, call)
+    return None
+
+
+def _finish_call(call: Any) -> None:
+    finish_reduction(call.out, call.final, call.plan, call.group.size, call.decoded)
