@@ -30,6 +30,7 @@ from ._collectives import scan as _scan
 from ._collectives import scatter as _scatter
 from ._collectives.common import CollectiveTensor
 from ._collectives.gradient_sync import GradientSync
+from ._collectives.lane import with_lane
 from ._collectives.p2p import recv, send
 from ._core.config import DistributedConfig, ReduceOperation
 from ._core.device import Device
@@ -50,7 +51,7 @@ from ._core.tensor import Tensor, arange, as_tensor, empty, from_numpy, full, on
 from ._runtime.context import DistributedContext, current_context
 from ._runtime.entry import collective_entry
 
-all_reduce = collective_entry("all_reduce")(_all_reduce.all_reduce)
+all_reduce = with_lane(collective_entry("all_reduce")(_all_reduce.all_reduce))
 broadcast = collective_entry("broadcast")(_broadcast.broadcast)
 reduce = collective_entry("reduce")(_reduce.reduce)
 all_gather = collective_entry("all_gather")(_all_gather.all_gather)

@@ -9,18 +9,18 @@ import numpy as np
 from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import reduce_plan
 from .._core.state import open_contexts
-from .._core.tensor import Tensor, wrap_array
+from .._core.tensor import Tensor
 from .._runtime.check import shared_record
 from .._runtime.context import DevicesArg, DistributedContext
-from .._runtime.engine import Group, Op
+from .._runtime.engine import Group
 from .._transport.base import ReduceCall, select
 from .._transport.mpi import SMALL_BYTES
-from .._transport.reduction import reduction_finisher
-from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED, IN_CHECK
+from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED
 from .common import PLAIN_DTYPES, CollectiveTensor, Input, context_for, follow, result_device, take_input
 from .fused import fused_all_reduce
 from .gpu_host import staged
 from .gpu_staged import gpu_all_reduce
+from .lane import keep_lane, start_reduction
 from .options import refuse_for_structure, refuse_on_gpu
 from .reduce_options import all_reduce_with_options
 
@@ -81,9 +81,10 @@ def all_reduce(
     checked = ctx.config.check and group.size > 1
     select(ALL_REDUCE_CHECKED if checked else ALL_REDUCE, call).prepare(call)
     record = shared_record("all_reduce", reduce_op, source.array, group.members) if checked else None
-    ctx.engine.submit(collective := _op(call, record))
-    return CollectiveTensor(collective, wrap_array(call.final, result_device(ctx, source)), ctx)
-
+    handle = start_reduction(call, record, result_device(ctx, source))
+    if devices is None and source.buffer is source.array and (source.array is input or source.tensor is input):
+        keep_lane(call, op, record)  # later calls of this kind skip the planning above
+    return handle
 
 def _take(input: Any, devices: DevicesArg) -> tuple[DistributedContext, Input, Group]:  # noqa: A002
     """The context, the input made ready for MPI, and the group.
@@ -119,10 +120,3 @@ def _on_gpu(ctx: DistributedContext, source: Input, group: Group, reduce_op: Red
     return staged(ctx, source, group, lambda host, members: all_reduce(
         host, reduce_op, members, prescale_factor=pre, postscale_factor=post))
 
-
-def _op(call: ReduceCall, record: Any) -> Op:
-    """The call's op: its data in its check (`IN_CHECK`), or posted by its transport's ``start``."""
-    finish = reduction_finisher(call)
-    if call.transport is IN_CHECK:
-        return Op("all_reduce", call.group, call.nbytes, call.start_from, finish, record, payload=call.send)
-    return Op("all_reduce", call.group, call.nbytes, call.start, finish, record, (call,), call.protections)

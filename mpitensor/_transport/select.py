@@ -16,12 +16,13 @@ from .inline import InCheck
 from .mpi import InPlace, OnCopy, Plain, SmallOnCopy
 from .shm import SharedMemory
 
-__all__ = ["ALL_REDUCE", "ALL_REDUCE_CHECKED", "IN_CHECK", "PLAIN", "SHARED_MEMORY", "STAGED_ALL_REDUCE"]
+__all__ = ["ALL_REDUCE", "ALL_REDUCE_CHECKED", "IN_CHECK", "IN_PLACE", "PLAIN", "SHARED_MEMORY", "STAGED_ALL_REDUCE"]
 
 SHARED_MEMORY = SharedMemory()
 PLAIN = Plain()
 IN_CHECK = InCheck()
-ALL_REDUCE: tuple[Transport, ...] = (InPlace(), SHARED_MEMORY, PLAIN)
+IN_PLACE = InPlace()
+ALL_REDUCE: tuple[Transport, ...] = (IN_PLACE, SHARED_MEMORY, PLAIN)
 # Checked calls (their check can carry the smallest ones): unchecked ones never ask.
 ALL_REDUCE_CHECKED: tuple[Transport, ...] = (IN_CHECK, *ALL_REDUCE)
 STAGED_ALL_REDUCE: tuple[Transport, ...] = (SmallOnCopy(), SHARED_MEMORY, OnCopy())

@@ -17,7 +17,16 @@ an operation with several ways to move its data has `Transport` objects chosen b
 
 from __future__ import annotations
 
-from .all_reduce import SMALL_BYTES, InPlace, OnCopy, Plain, SmallOnCopy, all_reduce_buckets, all_reduce_buffers
+from .all_reduce import (
+    SMALL_BYTES,
+    InPlace,
+    OnCopy,
+    Plain,
+    SmallOnCopy,
+    all_reduce_buckets,
+    all_reduce_buffers,
+    in_place,
+)
 from .p2p import recv, send
 from .rooted import broadcast, broadcast_each, gather, gatherv, reduce, scatter, scatterv
 from .symmetric import (
@@ -37,6 +46,6 @@ from .symmetric import (
 __all__ = [
     "SMALL_BYTES", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather", "all_gather_each", "all_gatherv",
     "all_reduce_buckets", "all_reduce_buffers", "all_to_all", "all_to_allv", "barrier", "broadcast",
-    "broadcast_each", "exscan", "gather", "gatherv", "recv", "reduce", "reduce_scatter", "reduce_scatter_block",
-    "reduce_scatter_block_each", "scan", "scatter", "scatterv", "send",
+    "broadcast_each", "exscan", "gather", "gatherv", "in_place", "recv", "reduce", "reduce_scatter",
+    "reduce_scatter_block", "reduce_scatter_block_each", "scan", "scatter", "scatterv", "send",
 ]

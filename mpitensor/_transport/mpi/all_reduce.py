@@ -17,11 +17,17 @@ from ..base import ReduceCall
 from ..reduction import reduction_buffers, reduction_input
 
 __all__ = [
-    "SMALL_BYTES", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_reduce_buckets", "all_reduce_buffers", "is_small",
+    "SMALL_BYTES", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_reduce_buckets", "all_reduce_buffers", "in_place",
+    "is_small",
 ]
 
 # Up to this size a copy of the input costs less than write-protecting it in flight.
 SMALL_BYTES = 16 << 10
+
+
+def in_place(comm: Any, buffer: np.ndarray, plan: Any) -> list[Any]:
+    """Post ``MPI_Iallreduce(MPI_IN_PLACE, ...)`` of `buffer` on `comm` with `plan`'s datatype and op."""
+    return [comm.Iallreduce(MPI.IN_PLACE, [buffer, plan.datatype], plan.mpi_op)]
 
 
 def is_small(call: ReduceCall) -> bool:
@@ -56,8 +62,7 @@ class InPlace:
 
     def start(self, call: ReduceCall) -> list[Any]:
         """Post the all-reduce."""
-        plan = call.plan
-        return [call.group.comm.Iallreduce(MPI.IN_PLACE, [call.out, plan.datatype], plan.mpi_op)]
+        return in_place(call.group.comm, call.out, call.plan)
 
 
 class Plain:
@@ -105,7 +110,7 @@ class OnCopy:
         plan = call.plan
         if plan.codec is not None:
             plan.codec.encode(call.out, call.out)
-        return [call.group.comm.Iallreduce(MPI.IN_PLACE, [call.out, plan.datatype], plan.mpi_op)]
+        return in_place(call.group.comm, call.out, plan)
 
 
 class SmallOnCopy(OnCopy):

@@ -1,0 +1,210 @@
+"""The lane of repeated small all-reduces: what a call of one kind needs, kept after its first.
+
+Most all-reduce calls of a program repeat: the same dtype, shape and op on the same
+context, with no options (a loss, a metric, a step counter). The first call of a kind takes
+the general path (`all_reduce.all_reduce`), which checks the input, plans the reduction,
+picks a transport and builds the check's record. Where that transport copies the input at
+once (MPI in place on a copy, or the copy carried in the check) and the result needs no
+finishing, the call keeps them in a lane. Later calls of that kind find the lane and only
+copy the input, start the op and wrap the result: at 8 bytes the general path's planning is
+most of a call's cost.
+
+Each choice a lane keeps depends only on its key and its context: the transports'
+``applies`` read the input's size, the plan, the group's size and the configuration. A lane
+therefore makes the choice the general path would, and the check still compares every call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from functools import partial
+from threading import get_ident
+from typing import Any
+
+import numpy as np
+
+from .._core.state import open_contexts
+from .._core.tensor import Tensor, wrap_array
+from .._runtime.engine import Group, Op
+from .._transport.base import ReduceCall, Transport
+from .._transport.mpi import in_place
+from .._transport.reduction import reduction_finisher
+from .._transport.select import IN_CHECK, IN_PLACE
+from .common import CollectiveTensor, Input
+
+__all__ = ["LANES", "CallLane", "CopyLane", "keep_lane", "start_reduction", "with_lane"]
+
+# Where lanes are kept: in the extra caches of the context's full group.
+LANES = "all_reduce lanes"
+_MAX_LANES = 256  # kinds of call remembered per context; beyond, the lanes start over
+
+
+def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., CollectiveTensor]:
+    """`general` (the public `all_reduce`), with repeated small calls taking their lane first.
+
+    A call takes its lane when it has no ``devices`` or options, its input is a
+    C-contiguous NumPy array (alone or in a `Tensor`) of a kind that has a lane on the
+    current context, and it is made from the context's owner thread while the context is
+    usable. Every other call, and the first of each kind, goes to `general`, which also
+    raises the errors of bad calls.
+
+    Args:
+        general: `all_reduce` as the public API wraps it (`collective_entry`).
+
+    Returns:
+        The public `all_reduce`.
+    """
+
+    @functools.wraps(general)
+    def all_reduce(
+        input: Any,  # noqa: A002 - the seed's name
+        op: Any = None,
+        devices: Any = None,
+        *,
+        out: Any = None,
+        prescale_factor: Any = None,
+        postscale_factor: Any = None,
+    ) -> CollectiveTensor:
+        if open_contexts and devices is None and out is None and prescale_factor is None and postscale_factor is None:
+            ctx = open_contexts[-1]
+            kind = type(input)
+            # A Tensor's `_array` is read directly, as the general path does: a property
+            # would add a call to the smallest path.
+            array = input if kind is np.ndarray else input._array if kind is Tensor else None
+            lanes = ctx.full_group.extra.get(LANES)
+            if lanes is not None and type(array) is np.ndarray and array.flags.c_contiguous:
+                try:
+                    lane = lanes.get((array.dtype, array.shape, op))
+                except TypeError:  # an unhashable op: the general path says what is wrong with it
+                    lane = None
+                if lane is not None and ctx.usable and ctx.owner_thread == get_ident():
+                    handle = lane.start(input if kind is Tensor else None, array)
+                    if handle is not None:
+                        return handle
+        return general(input, op, devices, out=out, prescale_factor=prescale_factor,
+                       postscale_factor=postscale_factor)
+
+    return all_reduce
+
+
+class CopyLane:
+    """The lane of calls that MPI reduces in place on a plain copy of the input (`IN_PLACE`).
+
+    Args:
+        ctx: the context.
+        group: the context's full group.
+        plan: the `ReducePlan`; its work dtype is the input's and it has no codec.
+        record: the check's shared record, or None when the context does not check.
+    """
+
+    __slots__ = ("ctx", "group", "plan", "record")
+
+    def __init__(self, ctx: Any, group: Group, plan: Any, record: Any) -> None:
+        self.ctx = ctx
+        self.group = group
+        self.plan = plan
+        self.record = record
+
+    def start(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
+        """Start the all-reduce of `array` (the data of `tensor`, if one was given).
+
+        What `IN_PLACE`'s ``prepare`` and ``start`` do for such a plan, without a call object.
+
+        Returns:
+            The handle; None if the input could not be copied (as `CallLane.start`).
+        """
+        ctx = self.ctx
+        group = self.group
+        try:
+            buffer = array.copy()
+        except Exception:  # nothing is posted yet: the general path takes the call again and reports it
+            return None
+        op = Op("all_reduce", group, array.nbytes, partial(in_place, group.comm, buffer, self.plan), None, self.record)
+        ctx.engine.submit(op)
+        return CollectiveTensor(op, wrap_array(buffer, ctx.cpu_device if tensor is None else tensor.device), ctx)
+
+
+class CallLane:
+    """The lane of calls of any other copying transport (the check's): the call object is kept.
+
+    Args:
+        ctx: the context.
+        group: the context's full group.
+        plan: the `ReducePlan`.
+        transport: the transport the general path chose.
+        record: the check's shared record, or None when the context does not check.
+    """
+
+    __slots__ = ("ctx", "group", "plan", "record", "transport")
+
+    def __init__(self, ctx: Any, group: Group, plan: Any, transport: Transport, record: Any) -> None:
+        self.ctx = ctx
+        self.group = group
+        self.plan = plan
+        self.transport = transport
+        self.record = record
+
+    def start(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
+        """Start the all-reduce of `array` (the data of `tensor`, if one was given).
+
+        Returns:
+            The handle; None if the input could not be copied (the general path then takes
+            the call again, and reports the failure to the peers as it does).
+        """
+        ctx = self.ctx
+        call = ReduceCall(ctx, self.group, Input(tensor, array, array, False), self.plan, array.nbytes)
+        call.transport = transport = self.transport
+        try:
+            transport.prepare(call)
+        except Exception:  # nothing is posted yet: the general path takes the call again and reports it
+            return None
+        return start_reduction(call, self.record, ctx.cpu_device if tensor is None else tensor.device)
+
+
+def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
+    """Keep a lane for the calls of `call`'s kind, if they may take one.
+
+    Args:
+        call: a call of the general path, started without ``devices`` or options on a
+            C-contiguous host array, as it was given.
+        op: the op argument as given (None, a name or a `ReduceOperation`): part of the key.
+        record: the call's shared record, or None.
+    """
+    ctx = call.ctx
+    group = call.group
+    if group is not ctx.full_group or reduction_finisher(call) is not None:
+        return
+    plan = call.plan
+    array = call.source.array
+    if call.transport is IN_PLACE and plan.codec is None and plan.work_dtype == array.dtype:
+        lane: CopyLane | CallLane = CopyLane(ctx, group, plan, record)
+    elif call.transport is IN_PLACE or call.transport is IN_CHECK:
+        lane = CallLane(ctx, group, plan, call.transport, record)
+    else:
+        return
+    lanes = group.extra.get(LANES)
+    if lanes is None or len(lanes) >= _MAX_LANES:
+        lanes = group.extra[LANES] = {}
+    try:
+        lanes[(array.dtype, array.shape, op)] = lane
+    except TypeError:  # an unhashable op that parsed: such calls keep the general path
+        pass
+
+
+def start_reduction(call: ReduceCall, record: Any, device: Any) -> CollectiveTensor:
+    """Submit a prepared host all-reduce `call` and return its handle.
+
+    Args:
+        call: the call, its transport chosen and prepared.
+        record: the check's record, or None.
+        device: the result's device.
+    """
+    finish = reduction_finisher(call)
+    if call.transport is IN_CHECK:
+        op = Op("all_reduce", call.group, call.nbytes, call.start_from, finish, record, payload=call.send)
+    else:
+        op = Op("all_reduce", call.group, call.nbytes, call.start, finish, record, (call,), call.protections)
+    ctx = call.ctx
+    ctx.engine.submit(op)
+    return CollectiveTensor(op, wrap_array(call.final, device), ctx)

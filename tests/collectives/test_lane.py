@@ -1,0 +1,164 @@
+"""The lane of repeated small all-reduces: later calls of a kind skip the planning of the first.
+
+A call on its lane must give what the general path gives (NumPy's reduction of every rank's
+input, on every rank), meet a peer's call on the general path, still be checked, and refuse
+what the general path refuses.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import mpitensor as mt
+from mpitensor._collectives.lane import LANES, CallLane, CopyLane
+from mpitensor._transport.mpi import SMALL_BYTES
+from tests.helpers import OP, agree, rank_input, reference, rejects, seed_of, tolerance
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+DTYPES = [np.bool_, np.int8, np.int64, np.uint32, np.float16, np.float32, np.float64, np.complex128]
+SHAPES = [(), (3,), (2, 5), (1000,), (4097,)]
+
+
+def _lanes(ctx: mt.DistributedContext) -> dict:
+    return ctx.full_group.extra.get(LANES, {})
+
+
+def _still_usable(ctx: mt.DistributedContext) -> None:
+    assert mt.all_reduce(np.ones(2)).resolve().numpy().tolist() == [float(ctx.size)] * 2
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("op", [OP.SUM, OP.PROD, OP.MAX, OP.MIN, OP.MEAN, OP.BXOR])
+def test_repeated_calls_match_numpy(check, op):
+    """Three calls of each kind, each with new inputs: every result is NumPy's, on every rank."""
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)) as ctx:
+        for dtype in DTYPES:
+            if rejects(op, dtype):
+                continue
+            for shape in SHAPES:
+                for turn in range(3):
+                    seed = seed_of("lane", check, op.name, np.dtype(dtype).str, shape, turn)
+                    inputs = [rank_input(seed, r, shape, dtype) for r in range(ctx.size)]
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        expected = reference(op, inputs)
+                    mine = inputs[ctx.rank].copy()
+                    pending = mt.all_reduce(mine, op)
+                    if mine.nbytes <= SMALL_BYTES:
+                        mine[...] = 0  # a small input is copied when the call is made, on the lane too
+                    got = pending.resolve().numpy()
+                    tol = tolerance(expected.dtype, ctx.size)
+                    ok = got.dtype == expected.dtype and got.shape == expected.shape and np.allclose(
+                        got, expected, rtol=tol, atol=tol, equal_nan=True)
+                    agree(bool(ok), f"{op.name} of {shape} {np.dtype(dtype)}, call {turn}: {got} vs {expected}")
+        _still_usable(ctx)
+
+
+def test_small_calls_keep_a_lane_and_large_ones_do_not():
+    """What keeps a lane: small inputs copied at the call, with nothing to finish afterwards."""
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=False)) as ctx:
+        for _ in range(2):
+            mt.all_reduce(np.ones(3, np.float32)).resolve()
+            mt.all_reduce(np.ones(3, np.float32), OP.MEAN).resolve()
+            mt.all_reduce(np.ones(100_000, np.float32)).resolve()
+        lanes = _lanes(ctx)
+        assert type(lanes.get((np.dtype(np.float32), (3,), None))) is CopyLane
+        assert (np.dtype(np.float32), (3,), OP.MEAN) not in lanes, "MEAN divides its result: no lane"
+        assert (np.dtype(np.float32), (100_000,), None) not in lanes, "large inputs are protected, not copied"
+    with mt.DistributedContext.init() as ctx:
+        mt.all_reduce(np.ones(3, np.float32)).resolve()
+        lane = _lanes(ctx).get((np.dtype(np.float32), (3,), None))
+        assert type(lane) is (CallLane if 1 < ctx.size <= 8 else CopyLane), "checked: the check carries the data"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("count", [2, 64, 2048])
+def test_a_call_on_its_lane_meets_a_call_on_the_general_path(check, count):
+    """The last rank's earlier call passed ``devices`` (no lane kept); the others' kept one."""
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)) as ctx:
+        everyone = list(range(ctx.size))
+        last = ctx.rank == ctx.size - 1
+        mt.all_reduce(np.ones(count), devices=everyone if last else None).resolve()
+        assert ((np.dtype(np.float64), (count,), None) in _lanes(ctx)) != last
+        for turn in range(3):
+            inputs = [np.arange(count, dtype=np.float64) * (r + turn) for r in range(ctx.size)]
+            got = mt.all_reduce(inputs[ctx.rank].copy()).resolve().numpy()
+            agree(bool(np.array_equal(got, reference(OP.SUM, inputs))), f"call {turn} of {count} elements")
+        _still_usable(ctx)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("what", ["shape", "dtype", "op", "broadcast"])
+def test_calls_on_their_lane_are_still_checked(ctx, what):
+    """The last rank calls something else while the others take their lane: every rank raises."""
+    small = np.ones(3)
+    for _ in range(2):
+        mt.all_reduce(small).resolve()
+    assert (small.dtype, small.shape, None) in _lanes(ctx)
+    others = {
+        "shape": lambda: mt.all_reduce(np.ones(4)),
+        "dtype": lambda: mt.all_reduce(np.ones(3, np.float32)),
+        "op": lambda: mt.all_reduce(small, "max"),
+        "broadcast": lambda: mt.broadcast(small),
+    }
+    call = others[what] if ctx.rank == ctx.size - 1 else (lambda: mt.all_reduce(small))
+    with pytest.raises(mt.CollectiveMismatchError):
+        call().resolve()
+    _still_usable(ctx)
+
+
+def test_a_lane_refuses_another_thread(ctx):
+    mt.all_reduce(np.ones(3)).resolve()
+    errors = []
+
+    def worker() -> None:
+        try:
+            mt.all_reduce(np.ones(3))
+        except mt.MpitensorError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker, name="worker")
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], mt.ThreadMisuseError)
+    _still_usable(ctx)
+
+
+def test_inputs_the_lane_does_not_take_go_the_general_way(ctx):
+    """Same dtype and shape as a lane, but byte-swapped, strided, a Tensor, a named op, a bad op."""
+    base = np.arange(6, dtype=np.float64).reshape(2, 3)
+    mt.all_reduce(base).resolve()
+    assert (base.dtype, base.shape, None) in _lanes(ctx)
+    expected = base * ctx.size
+    swapped = base.astype(base.dtype.newbyteorder())
+    strided = np.arange(12, dtype=np.float64).reshape(2, 6)[:, ::2]
+    tensor = mt.from_numpy(base.copy())
+    for given, want in [(swapped, expected), (strided, strided * ctx.size), (tensor, expected)]:
+        for _ in range(2):
+            got = mt.all_reduce(given).resolve()
+            assert isinstance(got, mt.Tensor) and np.array_equal(got.numpy(), want)
+    assert mt.all_reduce(tensor).resolve().device == tensor.device
+    for _ in range(2):
+        assert np.array_equal(mt.all_reduce(base, "sum").resolve().numpy(), expected)
+    for bad in (["sum"], "median"):
+        with pytest.raises((TypeError, ValueError)):
+            mt.all_reduce(base, bad)
+    _still_usable(ctx)
+
+
+def test_a_closed_or_broken_context_is_refused_on_the_lane():
+    ctx = mt.DistributedContext.init()
+    mt.all_reduce(np.ones(3)).resolve()
+    ctx.close()
+    with pytest.raises(mt.MpitensorError):
+        mt.all_reduce(np.ones(3))
+    with mt.DistributedContext.init() as ctx:
+        assert LANES not in ctx.full_group.extra, "lanes belong to their context"
+        mt.all_reduce(np.ones(3)).resolve()
+        ctx.mark_broken("broken on purpose by the test")
+        with pytest.raises(mt.ContextBrokenError, match="on purpose"):
+            mt.all_reduce(np.ones(3))
