@@ -27,13 +27,14 @@ import numpy as np
 from .._core.state import open_contexts
 from .._core.tensor import Tensor, wrap_array
 from .._runtime.engine import Group, Op
-from .._transport.base import ReduceCall, Transport
+from .._transport.base import ReduceCall
+from .._transport.inline import carry, reduce_carried
 from .._transport.mpi import in_place
 from .._transport.reduction import reduction_finisher
 from .._transport.select import IN_CHECK, IN_PLACE
-from .common import CollectiveTensor, Input
+from .common import CollectiveTensor
 
-__all__ = ["LANES", "CallLane", "CopyLane", "keep_lane", "start_reduction", "with_lane"]
+__all__ = ["LANES", "CheckLane", "CopyLane", "keep_lane", "start_reduction", "with_lane"]
 
 # Where lanes are kept: in the extra caches of the context's full group.
 LANES = "all_reduce lanes"
@@ -112,7 +113,8 @@ class CopyLane:
         What `IN_PLACE`'s ``prepare`` and ``start`` do for such a plan, without a call object.
 
         Returns:
-            The handle; None if the input could not be copied (as `CallLane.start`).
+            The handle; None if the input could not be copied (the general path then takes
+            the call again, and reports the failure to the peers as it does).
         """
         ctx = self.ctx
         group = self.group
@@ -125,41 +127,44 @@ class CopyLane:
         return CollectiveTensor(op, wrap_array(buffer, ctx.cpu_device if tensor is None else tensor.device), ctx)
 
 
-class CallLane:
-    """The lane of calls of any other copying transport (the check's): the call object is kept.
+class CheckLane:
+    """The lane of calls whose input travels in their check (`IN_CHECK`).
 
     Args:
         ctx: the context.
         group: the context's full group.
-        plan: the `ReducePlan`.
-        transport: the transport the general path chose.
-        record: the check's shared record, or None when the context does not check.
+        plan: the `ReducePlan`; it has nothing to finish (no MEAN, no MAX/MIN keys).
+        record: the check's shared record.
     """
 
-    __slots__ = ("ctx", "group", "plan", "record", "transport")
+    __slots__ = ("ctx", "group", "plan", "record")
 
-    def __init__(self, ctx: Any, group: Group, plan: Any, transport: Transport, record: Any) -> None:
+    def __init__(self, ctx: Any, group: Group, plan: Any, record: Any) -> None:
         self.ctx = ctx
         self.group = group
         self.plan = plan
-        self.transport = transport
         self.record = record
 
     def start(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
         """Start the all-reduce of `array` (the data of `tensor`, if one was given).
 
+        What `IN_CHECK`'s ``prepare`` and ``start`` do, without a call object.
+
         Returns:
-            The handle; None if the input could not be copied (the general path then takes
-            the call again, and reports the failure to the peers as it does).
+            The handle; None if the input could not be copied (as `CopyLane.start`).
         """
         ctx = self.ctx
-        call = ReduceCall(ctx, self.group, Input(tensor, array, array, False), self.plan, array.nbytes)
-        call.transport = transport = self.transport
+        group = self.group
+        plan = self.plan
         try:
-            transport.prepare(call)
+            payload = carry(array, plan.work_dtype)
+            out = np.empty(array.shape, plan.work_dtype)
         except Exception:  # nothing is posted yet: the general path takes the call again and reports it
             return None
-        return start_reduction(call, self.record, ctx.cpu_device if tensor is None else tensor.device)
+        post = partial(reduce_carried, group.comm, out, payload, plan)
+        op = Op("all_reduce", group, array.nbytes, post, None, self.record, payload=payload)
+        ctx.engine.submit(op)
+        return CollectiveTensor(op, wrap_array(out, ctx.cpu_device if tensor is None else tensor.device), ctx)
 
 
 def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
@@ -178,9 +183,9 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
     plan = call.plan
     array = call.source.array
     if call.transport is IN_PLACE and plan.codec is None and plan.work_dtype == array.dtype:
-        lane: CopyLane | CallLane = CopyLane(ctx, group, plan, record)
-    elif call.transport is IN_PLACE or call.transport is IN_CHECK:
-        lane = CallLane(ctx, group, plan, call.transport, record)
+        lane: CopyLane | CheckLane = CopyLane(ctx, group, plan, record)
+    elif call.transport is IN_CHECK:
+        lane = CheckLane(ctx, group, plan, record)
     else:
         return
     lanes = group.extra.get(LANES)

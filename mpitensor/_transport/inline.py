@@ -23,9 +23,11 @@ from typing import Any
 import numpy as np
 
 from .base import ReduceCall
-from .mpi import OnCopy
+from .mpi import in_place
 
-__all__ = ["CARRIED", "HEADER_BYTES", "INLINE_RANKS", "PAYLOAD_BYTES", "ROW_BYTES", "InCheck"]
+__all__ = [
+    "CARRIED", "HEADER_BYTES", "INLINE_RANKS", "PAYLOAD_BYTES", "ROW_BYTES", "InCheck", "carry", "reduce_carried",
+]
 
 # Groups of up to this many ranks gather their checks' rows (beyond, gathering every row to
 # every rank costs more than the all-reduce of a fixed record it replaces).
@@ -37,7 +39,6 @@ PAYLOAD_BYTES = 64
 ROW_BYTES = HEADER_BYTES + PAYLOAD_BYTES
 # The per-rank value of a row that carries its all-reduce's input (an all-reduce's own is -1).
 CARRIED = 1
-_ON_COPY = OnCopy()
 
 
 class InCheck:
@@ -71,10 +72,8 @@ class InCheck:
         encoded and nothing decoded.
         """
         buffer = call.source.buffer  # contiguous, native order
-        work_dtype = call.plan.work_dtype
-        data = buffer.tobytes() if buffer.dtype == work_dtype else buffer.astype(work_dtype).tobytes()
-        call.send = data.ljust(PAYLOAD_BYTES, b"\0")
-        call.out = call.final = np.empty(buffer.shape, work_dtype)
+        call.send = carry(buffer, call.plan.work_dtype)
+        call.out = call.final = np.empty(buffer.shape, call.plan.work_dtype)
         call.decoded = True
 
     def start(self, call: ReduceCall, rows: bytearray | None = None) -> list[Any]:
@@ -88,17 +87,43 @@ class InCheck:
         Returns:
             No requests (the result is final), or MPI's in-place all-reduce's.
         """
-        out = call.out
-        dtype, count = out.dtype, out.size
-        target = out if out.ndim == 1 else out.reshape(-1)
         if rows is None:
-            # The copy taken at the call: the input itself may have been written since.
-            np.copyto(target, np.frombuffer(call.send, dtype, count))
             call.decoded = False  # MPI reduces MAX/MIN keys, which the finish decodes
-            return _ON_COPY.start(call)
-        combine = call.plan.combine
-        first = np.frombuffer(rows, dtype, count, HEADER_BYTES)
-        for offset in range(ROW_BYTES + HEADER_BYTES, len(rows), ROW_BYTES):
-            combine(first, np.frombuffer(rows, dtype, count, offset), out=target)
-            first = target
-        return []
+        return reduce_carried(call.group.comm, call.out, call.send, call.plan, rows)
+
+
+def carry(buffer: np.ndarray, work_dtype: np.dtype) -> bytes:
+    """The payload carrying `buffer` (contiguous, native order): its bytes in `work_dtype`, padded."""
+    data = buffer.tobytes() if buffer.dtype == work_dtype else buffer.astype(work_dtype).tobytes()
+    return data.ljust(PAYLOAD_BYTES, b"\0")
+
+
+def reduce_carried(comm: Any, out: np.ndarray, payload: bytes, plan: Any, rows: bytearray | None) -> list[Any]:
+    """Reduce every member's carried input into `out`, in rank order; or post MPI's, if one carried none.
+
+    Args:
+        comm: the group's data communicator (for MPI's all-reduce).
+        out: the result, of the plan's work dtype.
+        payload: this rank's payload (`carry`).
+        plan: the `ReducePlan`.
+        rows: the gathered check rows, `ROW_BYTES` per member in group order; None when
+            some member's row carried no input: MPI then reduces a copy of this rank's
+            input in `out` in place, in MAX/MIN keys where the plan has a codec.
+
+    Returns:
+        No requests (the result is final), or MPI's in-place all-reduce's.
+    """
+    dtype, count = out.dtype, out.size
+    target = out if out.ndim == 1 else out.reshape(-1)
+    if rows is None:
+        # The copy taken at the call: the input itself may have been written since.
+        np.copyto(target, np.frombuffer(payload, dtype, count))
+        if plan.codec is not None:
+            plan.codec.encode(out, out)
+        return in_place(comm, out, plan)
+    combine = plan.combine
+    first = np.frombuffer(rows, dtype, count, HEADER_BYTES)
+    for offset in range(ROW_BYTES + HEADER_BYTES, len(rows), ROW_BYTES):
+        combine(first, np.frombuffer(rows, dtype, count, offset), out=target)
+        first = target
+    return []

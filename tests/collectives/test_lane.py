@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._collectives.lane import LANES, CallLane, CopyLane
+from mpitensor._collectives.lane import LANES, CheckLane, CopyLane
 from mpitensor._transport.mpi import SMALL_BYTES
 from tests.helpers import OP, agree, rank_input, reference, rejects, seed_of, tolerance
 
@@ -71,7 +71,7 @@ def test_small_calls_keep_a_lane_and_large_ones_do_not():
     with mt.DistributedContext.init() as ctx:
         mt.all_reduce(np.ones(3, np.float32)).resolve()
         lane = _lanes(ctx).get((np.dtype(np.float32), (3,), None))
-        assert type(lane) is (CallLane if 1 < ctx.size <= 8 else CopyLane), "checked: the check carries the data"
+        assert type(lane) is (CheckLane if 1 < ctx.size <= 8 else CopyLane), "checked: the check carries the data"
 
 
 @pytest.mark.mpi(min_size=2)
