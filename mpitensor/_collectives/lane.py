@@ -172,20 +172,23 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
 
     Args:
         call: a call of the general path, started without ``devices`` or options on a
-            C-contiguous host array, as it was given.
+            C-contiguous host array of MPI's own dtypes, as it was given.
         op: the op argument as given (None, a name or a `ReduceOperation`): part of the key.
         record: the call's shared record, or None.
     """
+    transport = call.transport
+    if transport is not IN_PLACE and transport is not IN_CHECK:  # larger calls: the usual case here
+        return
     ctx = call.ctx
     group = call.group
     if group is not ctx.full_group or reduction_finisher(call) is not None:
         return
     plan = call.plan
     array = call.source.array
-    if call.transport is IN_PLACE and plan.codec is None and plan.work_dtype == array.dtype:
-        lane: CopyLane | CheckLane = CopyLane(ctx, group, plan, record)
-    elif call.transport is IN_CHECK:
-        lane = CheckLane(ctx, group, plan, record)
+    if transport is IN_CHECK:
+        lane: CopyLane | CheckLane = CheckLane(ctx, group, plan, record)
+    elif plan.codec is None and plan.work_dtype == array.dtype:
+        lane = CopyLane(ctx, group, plan, record)
     else:
         return
     lanes = group.extra.get(LANES)
