@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_spin import spin, spin_kernel
 from smoke_runner import Skip, run_all
 
 import mpitensor as mt
@@ -41,17 +42,6 @@ from mpitensor._transport.gpu.streams import copy_stream
 OP = mt.ReduceOperation
 RESOLVE_TIMEOUT = float(os.environ.get("GPU_SMOKE_RESOLVE_TIMEOUT", "30"))
 CHECK_LIMIT = float(os.environ.get("GPU_SMOKE_CHECK_LIMIT", "60"))
-
-SPIN_SOURCE = r"""
-extern "C" __global__ void spin(unsigned long long nanoseconds) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < nanoseconds);
-}
-"""
-
 
 class Env:
     """What the checks share: the mode (GPU or CPU), CuPy, and helpers for contexts and results.
@@ -132,17 +122,7 @@ class Env:
 
     def spin(self, seconds: float, stream: Any = None) -> None:
         """Queue a kernel that keeps the GPU busy for `seconds` on `stream` (default: current)."""
-        cupy = self.gpu()
-        kernel = _spin_kernel(cupy)
-        with stream if stream is not None else cupy.cuda.get_current_stream():
-            kernel((1,), (1,), (cupy.uint64(int(seconds * 1e9)),))
-
-
-@functools.cache
-def _spin_kernel(cupy: Any) -> Any:
-    kernel = cupy.RawKernel(SPIN_SOURCE, "spin")
-    kernel.compile()  # now, not inside a timed section
-    return kernel
+        spin(self.gpu(), seconds, stream)
 
 
 def values(seed: int, rank: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -184,7 +164,7 @@ def _kernel(env: Env) -> str:
     twice = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 2 * x", "mpitensor_gpu_smoke_twice")
     total = float(twice(cupy.arange(4, dtype=cupy.float32)).sum())
     assert total == 12.0, f"2 * (0+1+2+3) gave {total}"
-    _spin_kernel(cupy)
+    spin_kernel(cupy)
     runtime = cupy.cuda.runtime
     name = runtime.getDeviceProperties(0)["name"]
     name = name.decode() if isinstance(name, bytes) else name

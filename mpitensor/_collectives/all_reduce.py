@@ -86,6 +86,7 @@ def all_reduce(
         keep_lane(call, op, record)  # later calls of this kind skip the planning above
     return handle
 
+
 def _take(input: Any, devices: DevicesArg) -> tuple[DistributedContext, Input, Group]:  # noqa: A002
     """The context, the input made ready for MPI, and the group.
 
@@ -119,4 +120,3 @@ def _on_gpu(ctx: DistributedContext, source: Input, group: Group, reduce_op: Red
     pre, post = factors
     return staged(ctx, source, group, lambda host, members: all_reduce(
         host, reduce_op, members, prescale_factor=pre, postscale_factor=post))
-

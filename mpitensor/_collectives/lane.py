@@ -29,7 +29,7 @@ from .._core.tensor import Tensor, wrap_array
 from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall
 from .._transport.inline import carry, reduce_carried
-from .._transport.mpi import in_place
+from .._transport.mpi import SMALL_BYTES, in_place
 from .._transport.reduction import reduction_finisher
 from .._transport.select import IN_CHECK, IN_PLACE
 from .common import CollectiveTensor
@@ -67,26 +67,34 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
         prescale_factor: Any = None,
         postscale_factor: Any = None,
     ) -> CollectiveTensor:
-        if open_contexts and devices is None and out is None and prescale_factor is None and postscale_factor is None:
-            ctx = open_contexts[-1]
+        if out is not None or prescale_factor is not None or postscale_factor is not None:
+            return general(input, op, devices, out=out, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor)
+        if devices is None and open_contexts:
             kind = type(input)
-            # A Tensor's `_array` is read directly, as the general path does: a property
-            # would add a call to the smallest path.
-            array = input if kind is np.ndarray else input._array if kind is Tensor else None
-            lanes = ctx.full_group.extra.get(LANES)
-            if lanes is not None and type(array) is np.ndarray and array.flags.c_contiguous:
-                try:
-                    lane = lanes.get((array.dtype, array.shape, op))
-                except TypeError:  # an unhashable op: the general path says what is wrong with it
-                    lane = None
-                if lane is not None and ctx.usable and ctx.owner_thread == get_ident():
-                    handle = lane.start(input if kind is Tensor else None, array)
-                    if handle is not None:
-                        return handle
-        return general(input, op, devices, out=out, prescale_factor=prescale_factor,
-                       postscale_factor=postscale_factor)
+            array = input if kind is np.ndarray else input.array if kind is Tensor else None
+            # Every lane's input fits `SMALL_BYTES`: larger calls leave here, before the lookup.
+            if type(array) is np.ndarray and array.nbytes <= SMALL_BYTES and array.flags.c_contiguous:
+                handle = _on_lane(open_contexts[-1], input if kind is Tensor else None, array, op)
+                if handle is not None:
+                    return handle
+        return general(input, op, devices)
 
     return all_reduce
+
+
+def _on_lane(ctx: Any, tensor: Tensor | None, array: np.ndarray, op: Any) -> CollectiveTensor | None:
+    """Start the call on its lane on `ctx`; None when it has none (or may not take it now)."""
+    lanes = ctx.full_group.extra.get(LANES)
+    if lanes is None:
+        return None
+    try:
+        lane = lanes.get((array.dtype, array.shape, op))
+    except TypeError:  # an unhashable op: the general path says what is wrong with it
+        return None
+    if lane is None or not ctx.usable or ctx.owner_thread != get_ident():
+        return None
+    return lane.start(tensor, array)
 
 
 class CopyLane:

@@ -216,12 +216,7 @@ def refuse_on_gpu(what: str, **options: Any) -> None:
     Raises:
         TypeError: naming the first such option.
     """
-    for name, value in options.items():
-        if value is not None:
-            raise TypeError(
-                f"{what}: {name}= is not supported for GPU (CuPy) tensors yet; "
-                f"pass a host tensor, or call it without {name}="
-            )
+    _refuse(what, options, "GPU (CuPy) tensors yet", "pass a host tensor, or call it without {name}=")
 
 
 def refuse_for_structure(what: str, **options: Any) -> None:
@@ -230,12 +225,14 @@ def refuse_for_structure(what: str, **options: Any) -> None:
     Raises:
         TypeError: naming the first such option.
     """
+    _refuse(what, options, "a list, tuple or dict of tensors", "call it on each tensor to use it")
+
+
+def _refuse(what: str, options: dict[str, Any], case: str, remedy: str) -> None:
+    """Raise TypeError for the first option given (not None): not supported for `case`; `remedy`."""
     for name, value in options.items():
         if value is not None:
-            raise TypeError(
-                f"{what}: {name}= is not supported for a list, tuple or dict of tensors; "
-                f"call it on each tensor to use it"
-            )
+            raise TypeError(f"{what}: {name}= is not supported for {case}; {remedy.format(name=name)}")
 
 
 def row_counts(counts: Any, shape: tuple[int, ...], group: Group, what: str, name: str) -> tuple[int, ...] | None:

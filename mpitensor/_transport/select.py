@@ -25,4 +25,7 @@ IN_PLACE = InPlace()
 ALL_REDUCE: tuple[Transport, ...] = (IN_PLACE, SHARED_MEMORY, PLAIN)
 # Checked calls (their check can carry the smallest ones): unchecked ones never ask.
 ALL_REDUCE_CHECKED: tuple[Transport, ...] = (IN_CHECK, *ALL_REDUCE)
-STAGED_ALL_REDUCE: tuple[Transport, ...] = (SmallOnCopy(), SHARED_MEMORY, OnCopy())
+# A staged GPU copy takes the host list, each MPI transport replaced by its counterpart that
+# reduces the private copy in place: the two lists cannot choose differently for one size.
+_ON_COPY: dict[Transport, Transport] = {IN_PLACE: SmallOnCopy(), PLAIN: OnCopy()}
+STAGED_ALL_REDUCE: tuple[Transport, ...] = tuple(_ON_COPY.get(transport, transport) for transport in ALL_REDUCE)

@@ -7,7 +7,7 @@ so these modules collect on machines without CuPy. Run them on a GPU machine wit
 
 from __future__ import annotations
 
-import functools
+import sys
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -15,6 +15,12 @@ import pytest
 
 import mpitensor as mt
 from mpitensor._core.device import probe_gpus
+from tests.helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_spin import spin  # the kernel the GPU smoke test queues too
+
+__all__ = ["spin"]
 
 GPUS, NO_GPU_REASON = probe_gpus()
 
@@ -51,28 +57,3 @@ def gpu_module_ctx() -> Iterator[mt.DistributedContext]:
     yield context
     if not context.closed and not context.broken:
         context.close()
-
-
-SPIN_SOURCE = r"""
-extern "C" __global__ void spin(unsigned long long nanoseconds) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < nanoseconds);
-}
-"""
-
-
-@functools.cache
-def _spin_kernel(cupy: ModuleType) -> object:
-    kernel = cupy.RawKernel(SPIN_SOURCE, "spin")
-    kernel.compile()  # compile now, not inside a timed section
-    return kernel
-
-
-def spin(cupy: ModuleType, seconds: float, stream: object = None) -> None:
-    """Queue a kernel that keeps the GPU busy for `seconds` on `stream` (default: current)."""
-    kernel = _spin_kernel(cupy)
-    with stream if stream is not None else cupy.cuda.get_current_stream():
-        kernel((1,), (1,), (cupy.uint64(int(seconds * 1e9)),))
