@@ -16,7 +16,7 @@ from .._transport import mpi
 from .common import CollectiveTensor, Later, context_for, follow, result_device, start, take_input
 from .gpu_host import staged
 from .grouped import grouped_all_gather, is_structure
-from .layout import displacements
+from .layout import displacements, to_front
 from .options import axis_arg, output_buffer, output_tensor, protect_output, refuse_on_gpu
 
 __all__ = ["all_gather"]
@@ -65,13 +65,8 @@ def all_gather(
     axis = axis_arg(axis, array.ndim, "all_gather")
     if out is not None:
         _check_out(ctx, out, array, axis, source.array)
-    moved = np.moveaxis(array, axis, 0)
-    if axis:
-        send = ctx.pool.empty(moved.shape, moved.dtype)
-        np.copyto(send, moved)
-        source.copied = True
-    else:
-        send = moved
+    send, copied = to_front(ctx, array, axis)
+    source.copied = source.copied or copied
     template = list(array.shape)
     template[axis] = -1
     record = Record("all_gather", None, array.dtype, tuple(template), -1, group.members, per_rank=send.shape[0],

@@ -12,6 +12,7 @@ import numpy as np
 
 from .._core import state as _state
 from .._core.backend import is_cupy_array
+from .._core.device import Device
 from .._core.dtypes import transfer_dtype
 from .._core.errors import ContextClosedError, DeviceError
 from .._core.interop import take as take_foreign
@@ -365,8 +366,8 @@ def root_rank(ctx: DistributedContext, root: Any) -> int:
         TypeError: `root` is neither.
         DeviceError: a Device that is not in the context.
     """
-    from .._core.device import Device
-
+    if type(root) is int:  # the usual case, before the checks of the others
+        return root
     if isinstance(root, Device):
         return ctx.rank_of_device(root)
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)):

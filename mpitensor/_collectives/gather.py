@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -59,7 +60,7 @@ def gather(
     template = tuple(-1 if d == axis else n for d, n in enumerate(array.shape))
     record = Record("gather", None, array.dtype, template, root_at, group.members, per_rank=length, extra=axis)
     datatype = mpi_datatype(array.dtype)
-    block = int(np.prod(rest, dtype=np.int64))
+    block = math.prod(rest)
     later, device, is_root = Later(), result_device(ctx, source), root_at == ctx.rank
 
     def post(lengths: list[int]) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,7 +68,8 @@ def scatter(
     out, result = _receive(ctx, source, whole, whole_dtype, axis, blocks[group.rank])
     send, protections = _send_buffer(ctx, source if is_root else None, axis)
     datatype, uniform = mpi_datatype(whole_dtype), counts is None
-    elements = [n * int(np.prod(out.shape[1:], dtype=np.int64)) for n in blocks]
+    row = math.prod(out.shape[1:])
+    elements = [n * row for n in blocks]
 
     def post() -> list[Any]:
         index = group_root(group, root_at, "scatter")
