@@ -24,8 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from .._core.config import ReduceOperation
 from .._core.state import open_contexts
 from .._core.tensor import Tensor, wrap_array
+from .._runtime.context import DevicesArg
 from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall
 from .._transport.inline import carry, reduce_carried
@@ -38,6 +40,7 @@ __all__ = ["LANES", "CheckLane", "CopyLane", "keep_lane", "start_reduction", "wi
 
 # Where lanes are kept: in the extra caches of the context's full group.
 LANES = "all_reduce lanes"
+_UNSET: Any = object()  # no input given: the general path says so
 _MAX_LANES = 256  # kinds of call remembered per context; beyond, the lanes start over
 
 
@@ -59,17 +62,25 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
 
     @functools.wraps(general)
     def all_reduce(
-        input: Any,  # noqa: A002 - the seed's name
-        op: Any = None,
-        devices: Any = None,
-        *,
+        input: Any = _UNSET,  # noqa: A002 - the seed's name
+        op: ReduceOperation | str | None = None,
+        devices: DevicesArg = None,
+        *more: Any,
         out: Any = None,
         prescale_factor: Any = None,
         postscale_factor: Any = None,
+        **unknown: Any,
     ) -> CollectiveTensor:
-        if out is not None or prescale_factor is not None or postscale_factor is not None:
-            return general(input, op, devices, out=out, prescale_factor=prescale_factor,
-                           postscale_factor=postscale_factor)
+        if (input is _UNSET or more or unknown or out is not None or prescale_factor is not None
+                or postscale_factor is not None):
+            # Options, or arguments all_reduce does not take: `general` raises for the
+            # latter inside the entry, which tells the peers that this rank's call failed.
+            head = () if input is _UNSET else (input,)
+            if more:
+                return general(*head, op, devices, *more, out=out, prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor, **unknown)
+            return general(*head, op=op, devices=devices, out=out, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor, **unknown)
         if devices is None and open_contexts:
             kind = type(input)
             array = input if kind is np.ndarray else input.array if kind is Tensor else None

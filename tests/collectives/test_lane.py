@@ -162,3 +162,24 @@ def test_a_closed_or_broken_context_is_refused_on_the_lane():
         ctx.mark_broken("broken on purpose by the test")
         with pytest.raises(mt.ContextBrokenError, match="on purpose"):
             mt.all_reduce(np.ones(3))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("bad", ["keyword", "positional", "no input"])
+def test_a_call_all_reduce_does_not_take_fails_on_every_rank(ctx, bad):
+    """Arguments all_reduce does not take raise on their rank, and the peers learn of it."""
+    small = np.ones(3)
+    for _ in range(2):
+        mt.all_reduce(small).resolve()  # a lane for the peers' call
+    if ctx.rank == ctx.size - 1:
+        calls = {
+            "keyword": lambda: mt.all_reduce(small, bogus=1),
+            "positional": lambda: mt.all_reduce(small, "sum", None, "extra"),
+            "no input": lambda: mt.all_reduce(op="sum"),
+        }
+        with pytest.raises(TypeError):
+            calls[bad]()
+    else:
+        with pytest.raises(mt.CollectiveMismatchError, match="failed on another rank"):
+            mt.all_reduce(small).resolve()
+    _still_usable(ctx)
