@@ -133,3 +133,27 @@ def test_with_the_check_off_mpi_errors_still_come_as_mpitensor_errors(tmp_path):
     assert len(lines) == 2, result.output
     for line in lines:
         assert line.startswith("error mpitensor._core.errors") and line.endswith("True"), line
+
+
+_BROKEN = """
+import numpy as np
+import mpitensor as mt
+
+ctx = mt.DistributedContext.init()
+for _ in range(2):
+    mt.all_reduce(np.ones(3)).resolve()
+ctx.mark_broken("broken on purpose")
+try:
+    mt.all_reduce(np.ones(3))
+    report("no error")
+except mt.MpitensorError as exc:
+    report(type(exc).__name__, str(exc))
+"""
+
+
+def test_a_broken_context_is_refused_on_the_lane(tmp_path):
+    """Repeated small all-reduces take a lane that skips the entry: a broken context still refuses them."""
+    result = run_job(_BROKEN, 2, timeout=60, tmp_path=tmp_path)
+    lines = [result.reports.get(rank, []) for rank in range(2)]
+    assert all(len(got) == 1 and got[0].startswith("ContextBrokenError") for got in lines), (lines, result.err)
+    assert all("broken on purpose" in got[0] for got in lines), lines
