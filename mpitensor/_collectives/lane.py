@@ -108,13 +108,13 @@ def _on_lane(ctx: Any, tensor: Tensor | None, array: np.ndarray, op: Any) -> Col
     return lane.start(tensor, array)
 
 
-class CopyLane:
-    """The lane of calls that MPI reduces in place on a plain copy of the input (`IN_PLACE`).
+class _Lane:
+    """What the lanes keep.
 
     Args:
         ctx: the context.
         group: the context's full group.
-        plan: the `ReducePlan`; its work dtype is the input's and it has no codec.
+        plan: the `ReducePlan`.
         record: the check's shared record, or None when the context does not check.
     """
 
@@ -125,6 +125,15 @@ class CopyLane:
         self.group = group
         self.plan = plan
         self.record = record
+
+
+class CopyLane(_Lane):
+    """The lane of calls that MPI reduces in place on a plain copy of the input (`IN_PLACE`).
+
+    Its plan's work dtype is the input's, and it has no codec.
+    """
+
+    __slots__ = ()
 
     def start(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
         """Start the all-reduce of `array` (the data of `tensor`, if one was given).
@@ -146,23 +155,13 @@ class CopyLane:
         return CollectiveTensor(op, wrap_array(buffer, ctx.cpu_device if tensor is None else tensor.device), ctx)
 
 
-class CheckLane:
+class CheckLane(_Lane):
     """The lane of calls whose input travels in their check (`IN_CHECK`).
 
-    Args:
-        ctx: the context.
-        group: the context's full group.
-        plan: the `ReducePlan`; it has nothing to finish (no MEAN, no MAX/MIN keys).
-        record: the check's shared record.
+    Its plan has nothing to finish (no MEAN, no MAX/MIN keys), and it has a record.
     """
 
-    __slots__ = ("ctx", "group", "plan", "record")
-
-    def __init__(self, ctx: Any, group: Group, plan: Any, record: Any) -> None:
-        self.ctx = ctx
-        self.group = group
-        self.plan = plan
-        self.record = record
+    __slots__ = ()
 
     def start(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
         """Start the all-reduce of `array` (the data of `tensor`, if one was given).

@@ -7,8 +7,6 @@ what the general path refuses.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -108,23 +106,6 @@ def test_calls_on_their_lane_are_still_checked(ctx, what):
     call = others[what] if ctx.rank == ctx.size - 1 else (lambda: mt.all_reduce(small))
     with pytest.raises(mt.CollectiveMismatchError):
         call().resolve()
-    _still_usable(ctx)
-
-
-def test_a_lane_refuses_another_thread(ctx):
-    mt.all_reduce(np.ones(3)).resolve()
-    errors = []
-
-    def worker() -> None:
-        try:
-            mt.all_reduce(np.ones(3))
-        except mt.MpitensorError as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=worker, name="worker")
-    thread.start()
-    thread.join()
-    assert len(errors) == 1 and isinstance(errors[0], mt.ThreadMisuseError)
     _still_usable(ctx)
 
 

@@ -133,7 +133,11 @@ def test_a_fused_mismatch_names_the_entry_with_shapes_and_dtypes(ctx):
     _still_usable(ctx)
 
 
-def test_a_collective_from_another_thread_raises_instead_of_pairing_wrongly(ctx):
+@pytest.mark.parametrize("lane", [False, True])
+def test_a_collective_from_another_thread_raises_instead_of_pairing_wrongly(ctx, lane):
+    """Also where the owner thread's calls of that kind take their lane (see `_collectives/lane.py`)."""
+    for _ in range(2 if lane else 0):
+        mt.all_reduce(np.ones(3)).resolve()
     errors = []
 
     def worker():
