@@ -190,7 +190,10 @@ def _foreign_arrays(n: int):
         byte_buffer[:] = np.full(n, value).tobytes()
 
     def write_ctypes(value):
-        ctypes.memmove(c_buffer, np.full(n, value).ctypes.data, 8 * n)
+        # The source must outlive the copy: `.ctypes.data` of a temporary would point at
+        # memory freed before memmove reads it (unmapped at 4 MiB, hence a crash).
+        source = np.full(n, value)
+        ctypes.memmove(c_buffer, source.ctypes.data, 8 * n)
 
     return [
         ("ctypes", np.ctypeslib.as_array(c_buffer), write_ctypes),
