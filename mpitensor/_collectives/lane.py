@@ -48,9 +48,9 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
     """`general` (the public `all_reduce`), with repeated small calls taking their lane first.
 
     A call takes its lane when it has no ``devices`` or options, its input is a
-    C-contiguous NumPy array (alone or in a `Tensor`) of a kind that has a lane on the
-    current context, and it is made from the context's owner thread while the context is
-    usable. Every other call, and the first of each kind, goes to `general`, which also
+    C-contiguous NumPy array of at most `SMALL_BYTES` (alone or in a `Tensor`) of a kind
+    that has a lane on the current context, and it is made from the context's owner thread
+    while the context is usable. Every other call, and the first of each kind, goes to `general`, which also
     raises the errors of bad calls.
 
     Args:
