@@ -232,3 +232,8 @@ def same(got: object, expected: np.ndarray) -> bool:
     if array.shape != expected.shape or array.dtype != expected.dtype:
         return False
     return bool(np.array_equal(array.reshape(-1).view(np.uint8), expected.reshape(-1).view(np.uint8)))
+
+
+def still_usable(ctx: mt.DistributedContext) -> None:
+    """Assert that a small all-reduce over the whole context still gives the right sum (after a misuse)."""
+    assert mt.all_reduce(np.ones(2)).resolve().numpy().tolist() == [float(ctx.size)] * 2

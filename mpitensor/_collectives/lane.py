@@ -32,7 +32,7 @@ from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall
 from .._transport.inline import carry, reduce_carried
 from .._transport.mpi import SMALL_BYTES, in_place
-from .._transport.reduction import reduction_finisher
+from .._transport.reduction import needs_finish, reduction_finisher
 from .._transport.select import IN_CHECK, IN_PLACE
 from .common import CollectiveTensor
 
@@ -199,7 +199,7 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
         return
     ctx = call.ctx
     group = call.group
-    if group is not ctx.full_group or reduction_finisher(call) is not None:
+    if group is not ctx.full_group or needs_finish(call):
         return
     plan = call.plan
     array = call.source.array

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["finish_reduction", "reduction_buffers", "reduction_input", "reduction_finisher"]
+__all__ = ["finish_reduction", "needs_finish", "reduction_buffers", "reduction_finisher", "reduction_input"]
 
 
 def reduction_input(ctx: Any, source: Any, plan: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -85,10 +85,16 @@ def reduction_finisher(call: Any) -> Callable[[], None] | None:
     started whether its result holds MAX/MIN keys (the in-check all-reduce that falls back to
     MPI's).
     """
+    return partial(_finish_call, call) if needs_finish(call) else None
+
+
+def needs_finish(call: Any) -> bool:
+    """Whether a `ReduceCall`'s reduced buffer is not yet its result (see `reduction_finisher`).
+
+    True for MEAN's division, MAX/MIN keys to decode and half precision to round back.
+    """
     plan = call.plan
-    if plan.divide or call.final is not call.out or plan.codec is not None:
-        return partial(_finish_call, call)
-    return None
+    return plan.divide or call.final is not call.out or plan.codec is not None
 
 
 def _finish_call(call: Any) -> None:

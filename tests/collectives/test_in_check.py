@@ -18,7 +18,17 @@ from mpitensor._transport.base import ReduceCall, select
 from mpitensor._transport.inline import PAYLOAD_BYTES
 from mpitensor._transport.select import ALL_REDUCE_CHECKED, IN_CHECK
 from tests.conftest import GROUP_KINDS, group_members
-from tests.helpers import ALL_DTYPES, OP, agree, every_rank_settings, rank_input, reference, rejects, tolerance
+from tests.helpers import (
+    ALL_DTYPES,
+    OP,
+    agree,
+    every_rank_settings,
+    rank_input,
+    reference,
+    rejects,
+    still_usable,
+    tolerance,
+)
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -109,17 +119,13 @@ def _expect_mismatch(call, *fragments: str) -> None:
         assert fragment in str(info.value), str(info.value)
 
 
-def _still_usable(ctx: mt.DistributedContext) -> None:
-    assert mt.all_reduce(np.ones(2)).resolve().numpy().tolist() == [float(ctx.size)] * 2
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("large", [17, 100_000])
 def test_small_meets_large_all_reduce(ctx, large):
     """A small call on one rank meets a larger one (above the payload, or on the shared-memory path)."""
     count = large if ctx.rank == ctx.size - 1 else 2
     _expect_mismatch(lambda: mt.all_reduce(np.ones(count)), "Mismatched all_reduce tensor shapes", f"({large},)")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -135,7 +141,7 @@ def test_small_meets_another_collective(ctx, other):
     }
     call = calls[other] if ctx.rank == ctx.size - 1 else (lambda: mt.all_reduce(small))
     _expect_mismatch(call, "called all_reduce", "but rank")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -147,7 +153,7 @@ def test_small_calls_that_differ(ctx, what):
                          "Mismatched all_reduce tensor dtypes")
     else:
         _expect_mismatch(lambda: mt.all_reduce(np.ones(2), "max" if odd else "sum"), "Mismatched all_reduce reduce ops")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -158,7 +164,7 @@ def test_small_call_failed_on_one_rank(ctx):
             mt.all_reduce(np.array(["a", "b"])).resolve()
     else:
         _expect_mismatch(lambda: mt.all_reduce(np.ones(2)), "Collective failed on another rank")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -190,4 +196,4 @@ def test_small_call_meets_the_same_call_through_mpi(ctx, how, op):
     agree(ok, f"{op.name} with {how} on rank {ctx.size - 1}: {np.asarray(got)} vs {expected}")
     larger = mt.all_reduce(np.ones(1000)).resolve()
     agree(bool((larger.numpy() == ctx.size).all()), "the all-reduce after it")
-    _still_usable(ctx)
+    still_usable(ctx)

@@ -13,7 +13,7 @@ import pytest
 import mpitensor as mt
 from mpitensor._collectives.lane import LANES, CheckLane, CopyLane
 from mpitensor._transport.mpi import SMALL_BYTES
-from tests.helpers import OP, agree, rank_input, reference, rejects, seed_of, tolerance
+from tests.helpers import OP, agree, rank_input, reference, rejects, seed_of, still_usable, tolerance
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -23,10 +23,6 @@ SHAPES = [(), (0,), (3,), (2, 5), (1000,), (4097,)]
 
 def _lanes(ctx: mt.DistributedContext) -> dict:
     return ctx.full_group.extra.get(LANES, {})
-
-
-def _still_usable(ctx: mt.DistributedContext) -> None:
-    assert mt.all_reduce(np.ones(2)).resolve().numpy().tolist() == [float(ctx.size)] * 2
 
 
 @pytest.mark.parametrize("check", [False, True])
@@ -52,7 +48,7 @@ def test_repeated_calls_match_numpy(check, op):
                     ok = got.dtype == expected.dtype and got.shape == expected.shape and np.allclose(
                         got, expected, rtol=tol, atol=tol, equal_nan=True)
                     agree(bool(ok), f"{op.name} of {shape} {np.dtype(dtype)}, call {turn}: {got} vs {expected}")
-        _still_usable(ctx)
+        still_usable(ctx)
 
 
 def test_small_calls_keep_a_lane_and_large_ones_do_not():
@@ -86,7 +82,7 @@ def test_a_call_on_its_lane_meets_a_call_on_the_general_path(check, count):
             inputs = [np.arange(count, dtype=np.float64) * (r + turn) for r in range(ctx.size)]
             got = mt.all_reduce(inputs[ctx.rank].copy()).resolve().numpy()
             agree(bool(np.array_equal(got, reference(OP.SUM, inputs))), f"call {turn} of {count} elements")
-        _still_usable(ctx)
+        still_usable(ctx)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -106,7 +102,7 @@ def test_calls_on_their_lane_are_still_checked(ctx, what):
     call = others[what] if ctx.rank == ctx.size - 1 else (lambda: mt.all_reduce(small))
     with pytest.raises(mt.CollectiveMismatchError):
         call().resolve()
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_inputs_the_lane_does_not_take_go_the_general_way(ctx):
@@ -128,7 +124,7 @@ def test_inputs_the_lane_does_not_take_go_the_general_way(ctx):
     for bad in (["sum"], "median"):
         with pytest.raises((TypeError, ValueError)):
             mt.all_reduce(base, bad)
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_a_closed_context_is_refused_on_the_lane():
@@ -160,4 +156,4 @@ def test_a_call_all_reduce_does_not_take_fails_on_every_rank(ctx, bad):
     else:
         with pytest.raises(mt.CollectiveMismatchError, match="failed on another rank"):
             mt.all_reduce(small).resolve()
-    _still_usable(ctx)
+    still_usable(ctx)
