@@ -7,6 +7,8 @@ collective, another dtype) must get `CollectiveMismatchError` on every rank, nev
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -196,4 +198,27 @@ def test_small_call_meets_the_same_call_through_mpi(ctx, how, op):
     agree(ok, f"{op.name} with {how} on rank {ctx.size - 1}: {np.asarray(got)} vs {expected}")
     larger = mt.all_reduce(np.ones(1000)).resolve()
     agree(bool((larger.numpy() == ctx.size).all()), "the all-reduce after it")
+    still_usable(ctx)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("late", [0, -1])
+@pytest.mark.parametrize("op", [OP.SUM, OP.MAX])
+def test_small_calls_with_a_late_rank(ctx, late, op):
+    """Calls whose check agrees at once complete at the call; a late member's peers queue theirs.
+
+    Both ways reduce the same rows: every rank gets the reference, on every call, and nothing
+    is left in flight.
+    """
+    late_rank = late % ctx.size
+    for step in range(4):
+        inputs = [np.arange(3, dtype=np.float64) * (r + 1) - step for r in range(ctx.size)]
+        if ctx.rank == late_rank and step % 2 == 0:
+            time.sleep(0.05)  # the others' checks cannot agree within their first spin
+        mine = inputs[ctx.rank].copy()
+        pending = mt.all_reduce(mine, op)
+        mine[:] = -7.0  # the copy taken at the call is reduced, on either way
+        got = pending.resolve().numpy()
+        agree(np.array_equal(got, reference(op, inputs)), f"step {step}, rank {late_rank} late: {got}")
+    assert not ctx.engine.busy()
     still_usable(ctx)
