@@ -841,10 +841,7 @@ OVERSUBSCRIBED_SPIN_PAUSES = 4
 def _spin(request: Any) -> bool:
     """Test `request` until it completes, at most `_SPINS` times; whether it did."""
     test = request.Test
-    for _ in range(_SPINS):
-        if test():
-            return True
-    return False
+    return any(test() for _ in range(_SPINS))
 
 
 class Backoff:
