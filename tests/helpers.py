@@ -237,3 +237,15 @@ def same(got: object, expected: np.ndarray) -> bool:
 def still_usable(ctx: mt.DistributedContext) -> None:
     """Assert that a small all-reduce over the whole context still gives the right sum (after a misuse)."""
     assert mt.all_reduce(np.ones(2)).resolve().numpy().tolist() == [float(ctx.size)] * 2
+
+
+def in_shared_memory(result: object) -> bool:
+    """Whether `result` (a Tensor or an array) lives in a block of this rank's shared memory."""
+    from mpitensor._transport.shm.arena import Lease
+
+    array = result.numpy() if isinstance(result, mt.Tensor) else result
+    while array is not None:
+        if isinstance(array, Lease):
+            return True
+        array = getattr(array, "base", None)
+    return False

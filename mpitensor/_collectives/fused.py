@@ -23,12 +23,13 @@ import numpy as np
 from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import ReducePlan, reduce_plan
 from .._core.interop import structure_back
-from .._core.tensor import Tensor, wrap_array
+from .._core.tensor import unwrap_leaves, wrap_arrays
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
+from .._transport.base import ReduceCall, Stepper
+from .._transport.buckets import post_buckets, shared_bucket
 from .._transport.gpu.after_event import AfterEvent
-from .._transport.mpi import all_reduce_buckets
 from .common import PLAIN_DTYPES, CollectiveTensor, check_record, follow, start, take_input
 from .gpu_staged import gpu_fused_all_reduce
 from .options import make_record, scale_factors, scale_options
@@ -63,7 +64,7 @@ def plan_buckets(sizes: Sequence[int], plans: Sequence[ReducePlan], bucket_bytes
         The buckets, in the order their first tensor appears.
     """
     buckets: list[Bucket] = []
-    if plans and all(plan is plans[0] for plan in plans):
+    if plans and len(set(map(id, plans))) == 1:
         return _pack_one_kind(sizes, plans[0], bucket_bytes)
     open_by_kind: dict[tuple[Any, ...], Bucket] = {}
     for index, (size, plan) in enumerate(zip(sizes, plans)):
@@ -211,15 +212,19 @@ def _plain_host_leaves(values: list[Any], host: Any) -> tuple[list[np.ndarray], 
     That is the usual case (gradients), and it needs neither copies nor `take_input`'s
     checks; anything else returns None and goes the general way.
     """
-    # A Tensor's slots are read directly: this runs for every leaf (hundreds per call), where
-    # the `array` and `device` properties would add two calls each.
-    arrays = [v._array if type(v) is Tensor else v for v in values]
-    ndarray, plain = np.ndarray, PLAIN_DTYPES
-    for array in arrays:
-        if type(array) is not ndarray or not array.flags.c_contiguous or array.dtype not in plain:
-            return None
-    devices = [v._device if type(v) is Tensor else host for v in values]
-    return arrays, devices
+    # Each test runs over every leaf (hundreds per call) inside one C call.
+    arrays, devices = unwrap_leaves(values, host)
+    if (
+        set(map(type, arrays)) == _NDARRAY
+        and all(map(_C_CONTIGUOUS, arrays))
+        and set(map(_DTYPE, arrays)) <= PLAIN_DTYPES
+    ):
+        return arrays, devices
+    return None
+
+
+_NDARRAY = {np.ndarray}
+_C_CONTIGUOUS, _NBYTES = attrgetter("flags.c_contiguous"), attrgetter("nbytes")
 
 
 def _start_fused(
@@ -239,39 +244,60 @@ def _start_fused(
     by_dtype = {dtype: reduce_plan(reduce_op, dtype) for dtype in set(dtypes)}
     plans = [by_dtype[dtype] for dtype in dtypes] if len(by_dtype) > 1 else [*by_dtype.values()] * len(buffers)
     sizes = list(map(_SIZE, buffers))
-    buckets = plan_buckets(sizes, plans, bucket_bytes or ctx.config.bucket_bytes)
-    outputs: list[Any] = [None] * len(buffers)
+    limit = bucket_bytes or ctx.config.bucket_bytes
+    buckets = _pack_one_kind(sizes, plans[0], limit) if len(by_dtype) == 1 else plan_buckets(sizes, plans, limit)
     sends, recvs = [], []
+    shared: list[ReduceCall | None] = []
     rounding: list[tuple[np.ndarray, np.ndarray]] = []  # half precision: (float32 view, result)
     rounds = any(plan.rounds_back for plan in by_dtype.values())
+    whole = len(buckets) == 1  # the usual case: one bucket holds every tensor, in order
+    views: list[Any] = [] if whole else [None] * len(buffers)
     for bucket in buckets:
         dtype = bucket.plan.work_dtype
         send = ctx.pool.empty((bucket.elements,), dtype)
-        out = ctx.pool.empty((bucket.elements,), dtype)
-        # One C call packs the bucket, flattening each input itself (axis=None);
-        # numpy.split would cost more than it saves to unpack.
-        np.concatenate([buffers[i] for i in bucket.members], axis=None, out=send, casting="unsafe")
-        for index, offset in zip(bucket.members, bucket.offsets):
-            buffer = buffers[index]
-            view = out[offset : offset + sizes[index]]
-            if buffer.ndim != 1:
-                view = view.reshape(buffer.shape)
-            if rounds and plans[index].rounds_back:
-                final = ctx.pool.empty(buffer.shape, plans[index].out_dtype)
-                rounding.append((view, final))
-                view = final
-            outputs[index] = wrap_array(view, devices[index])
+        parts = buffers if whole else [buffers[i] for i in bucket.members]
+        # One C call packs the bucket, flattening each input itself (axis=None).
+        np.concatenate(parts, axis=None, out=send, casting="unsafe")
+        call = shared_bucket(ctx, group, send, bucket.plan)
+        out = ctx.pool.empty((bucket.elements,), dtype) if call is None else call.out
+        shared.append(call)
+        unpacked = _unpack(out, parts, bucket.offsets)
+        if whole:
+            views = unpacked
+        else:
+            for index, view in zip(bucket.members, unpacked):
+                views[index] = view
         sends.append(send)
         recvs.append(out)
-    result = rebuild(structure, keys, outputs)
+    if rounds:
+        for index, plan in enumerate(plans):
+            if plan.rounds_back:
+                final = ctx.pool.empty(buffers[index].shape, plan.out_dtype)
+                rounding.append((views[index], final))
+                views[index] = final
+    result = rebuild(structure, keys, wrap_arrays(views, devices))
     # Hashing the structure costs per tensor: only a checked call needs it.
     checked = ctx.config.check and group.size > 1
     scales, options = _bucket_scales(buckets, by_dtype, factors)
     record = make_record(options, kind, reduce_op, None, (len(buffers), sum(sizes)), -1, group.members,
                          extra=structure_hash(keys, buffers) if checked else 0)
     record.entries = partial(describe_entries, keys, buffers)
-    nbytes = sum(buffer.nbytes for buffer in buffers)
-    return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes, rounding, scales)
+    nbytes = sum(map(_NBYTES, buffers))
+    return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes, rounding, scales, shared=shared)
+
+
+def _unpack(out: np.ndarray, parts: list[np.ndarray], offsets: list[int]) -> list[np.ndarray]:
+    """Views of `out` (a packed bucket) in the shapes of `parts`, which start at `offsets`."""
+    count = len(parts)
+    if count > 1 and parts[0].ndim and offsets[1] * count == out.size:
+        shapes = set(map(_SHAPE, parts))
+        if len(shapes) == 1:
+            # Tensors of one shape (a model's equal layers): a view per row, made in C.
+            return list(out.reshape(count, *shapes.pop()))
+    return [
+        out[offset : offset + part.size] if part.ndim == 1 else out[offset : offset + part.size].reshape(part.shape)
+        for part, offset in zip(parts, offsets)
+    ]
 
 
 def _bucket_scales(buckets: Sequence[Bucket], plans: dict[np.dtype, ReducePlan],
@@ -310,22 +336,25 @@ def _bucket_post(
     recvs: Sequence[np.ndarray],
     scales: Sequence[tuple[Any, Any]] | None,
     ready: Any,
-) -> Callable[[], list[Any] | AfterEvent]:
-    """The op's ``post``: one ``MPI_Iallreduce`` per bucket, once `ready` (if any) is done.
+    shared: Sequence[ReduceCall | None],
+) -> Callable[[], list[Any] | Stepper]:
+    """The op's ``post``: each bucket's all-reduce (`post_buckets`), once `ready` (if any) is done.
 
     The packed buckets are prescaled and encoded (`_ready_sends`) now when they are filled,
     else once `ready` is done, just before posting.
     """
     plans = [bucket.plan for bucket in buckets]
+    if not shared:
+        shared = [None] * len(buckets)
 
-    def requests() -> list[Any]:
-        return all_reduce_buckets(comm, plans, sends, recvs)
+    def requests() -> list[Any] | Stepper:
+        return post_buckets(comm, plans, sends, recvs, shared)
 
     if ready is None:
         _ready_sends(buckets, sends, scales)
         return requests
 
-    def prepare_and_post() -> list[Any]:
+    def prepare_and_post() -> list[Any] | Stepper:
         _ready_sends(buckets, sends, scales)
         return requests()
 
@@ -344,8 +373,9 @@ def start_buckets(
     rounding: Sequence[tuple[np.ndarray, np.ndarray]] = (),
     scales: Sequence[tuple[Any, Any]] | None = None,
     ready: Any = None,
+    shared: Sequence[ReduceCall | None] = (),
 ) -> CollectiveTensor:
-    """All-reduce packed buckets as one op: one ``MPI_Iallreduce`` per bucket.
+    """All-reduce packed buckets as one op: one ``MPI_Iallreduce`` per bucket, or shared memory.
 
     For MAX/MIN of floats (plans with a ``codec``) the packed floats are turned into the
     keys MPI reduces here, in place, and the results back into floats when the op finishes.
@@ -366,12 +396,14 @@ def start_buckets(
         ready: an event (``done``) after which `sends` are filled (GPU gradients copied
             into them asynchronously), or None when they are filled already. MPI gets
             them only once it is done; the call does not wait for it.
+        shared: each bucket's shared-memory call (`buckets.shared_bucket`), or None for
+            MPI's; empty: every bucket goes to MPI.
 
     Returns:
         The handle resolving to `result`.
     """
     size = group.size
-    post = _bucket_post(group.comm, buckets, sends, recvs, scales, ready)
+    post = _bucket_post(group.comm, buckets, sends, recvs, scales, ready, shared)
     posts = [post_factor for _, post_factor in scales] if scales else [None] * len(buckets)
 
     def finish() -> Any:

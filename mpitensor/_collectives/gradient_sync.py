@@ -20,6 +20,7 @@ from .._core.dtypes import reduce_plan, transfer_dtype
 from .._core.interop import describe, numpy_dtype, type_name
 from .._core.tensor import Tensor, wrap_array
 from .._runtime.context import DevicesArg
+from .._transport.buckets import shared_bucket
 from .common import CollectiveTensor, context_for, take_input, timeout_arg
 from .fused import plan_buckets, start_buckets, structure_hash
 from .gradient_gpu import GpuBuckets
@@ -183,7 +184,10 @@ class GradientSync:
 
     def _start(self, index: int) -> None:
         bucket = self._buckets[index]
-        out = self._ctx.pool.empty((bucket.elements,), bucket.plan.work_dtype)
+        ready = self._gpu.ready(index) if self._gpu is not None else None
+        # A host bucket is filled: it may take shared memory, as a fused call's would.
+        call = shared_bucket(self._ctx, self._group, self._sends[index], bucket.plan) if ready is None else None
+        out = self._ctx.pool.empty((bucket.elements,), bucket.plan.work_dtype) if call is None else call.out
         device = self._ctx.cpu_device
         views = {}
         rounding = []
@@ -199,10 +203,9 @@ class GradientSync:
             views[name] = wrap_array(view, device)
         record = make_record(self._options, "gradient sync", self._op, None, (index, bucket.elements), -1,
                              self._group.members, extra=self._hashes[index])
-        ready = self._gpu.ready(index) if self._gpu is not None else None
         self._handles[index] = start_buckets(
             self._ctx, self._group, [bucket], [self._sends[index]], [out], views, record, out.nbytes, rounding,
-            ready=ready,
+            ready=ready, shared=[call],
         )
 
     def wait(self, timeout: float | None = None) -> dict[str, Tensor]:

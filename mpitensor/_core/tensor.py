@@ -9,7 +9,7 @@ tensor that a collective in flight reads or writes raises `TensorInFlightError`.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,9 @@ __all__ = [
     "tensors_in_flight",
     "ones",
     "tensor",
+    "unwrap_leaves",
     "wrap_array",
+    "wrap_arrays",
     "zeros",
 ]
 
@@ -373,6 +375,52 @@ def wrap_array(array: Any, device: Device) -> Tensor:
     result._array = array
     result._device = device
     return result
+
+
+def wrap_arrays(arrays: Iterable[Any], devices: Iterable[Device]) -> list[Tensor]:
+    """`wrap_array` of each array on its device, for the hundreds of results of a fused call.
+
+    Args:
+        arrays: NumPy or CuPy arrays (not checked).
+        devices: the device of each (not checked).
+
+    Returns:
+        The tensors, in order.
+    """
+    tensors = []
+    for array, device in zip(arrays, devices):
+        result = _new_tensor(Tensor)
+        result._array = array
+        result._device = device
+        tensors.append(result)
+    return tensors
+
+
+def unwrap_leaves(values: list[Any], host: Device) -> tuple[list[Any], list[Device]]:
+    """The arrays of `values` (tensors, or anything else as it is) and their devices.
+
+    For the leaves of a fused call, hundreds at a time: a tensor's slots are read here
+    rather than through its properties, which would cost two calls per leaf.
+
+    Args:
+        values: tensors, arrays or other leaves.
+        host: the device given to leaves that are not tensors.
+
+    Returns:
+        (each tensor's array, or the leaf itself; each tensor's device, or `host`).
+    """
+    kinds = set(map(type, values))
+    if kinds == _TENSOR_ONLY:  # the usual cases first: one C loop for each list
+        return list(map(_ARRAY_SLOT, values)), list(map(_DEVICE_SLOT, values))
+    if Tensor not in kinds:
+        return list(values), [host] * len(values)
+    arrays = [v._array if type(v) is Tensor else v for v in values]
+    devices = [v._device if type(v) is Tensor else host for v in values]
+    return arrays, devices
+
+
+_TENSOR_ONLY = {Tensor}
+_ARRAY_SLOT, _DEVICE_SLOT = operator.attrgetter("_array"), operator.attrgetter("_device")
 
 
 def _rebuild(array: np.ndarray, kind: str) -> Tensor:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from tests.helpers import OP, assert_matches, rank_input, reference, seed_of
+from tests.helpers import OP, assert_matches, in_shared_memory, rank_input, reference, seed_of
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -38,6 +38,28 @@ def test_same_gradients_as_a_blocking_all_reduce_of_each(module_ctx, bucket_byte
             expected = reference(OP.MEAN, [_grad(step, name, r) for r in range(ctx.size)])
             assert_matches(reduced[name], expected, OP.MEAN, ctx.size)
             np.testing.assert_array_equal(reduced[name].numpy(), blocking.numpy())
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", [OP.MEAN, OP.MAX])
+def test_large_buckets_reducein_shared_memory(module_ctx, op):
+    """Buckets the shared-memory transport takes reduce there (MAX of floats stays on MPI)."""
+    ctx = module_ctx
+    params = {"w": ((300, 200), np.float32), "b": ((200,), np.float32), "n": ((40_000,), np.int64)}
+    config = mt.DistributedConfig(shared_memory=True)
+    with mt.DistributedContext.init(config=config):
+        sync = mt.GradientSync(params, op=op, bucket_bytes=250_000)
+        assert sync.bucket_names == [["n"], ["b", "w"]]
+        for step in range(2):
+            grads = {name: [rank_input(seed_of("large", step, name), r, shape, dtype) for r in range(ctx.size)]
+                     for name, (shape, dtype) in params.items()}
+            for name in reversed(params):
+                sync.submit(name, grads[name][ctx.rank])
+            reduced = sync.wait()
+            for name, got in reduced.items():
+                assert_matches(got, reference(op, grads[name]), op, ctx.size)
+                on_mpi = op is OP.MAX and name != "n"
+                assert in_shared_memory(got) != on_mpi, (name, op)
 
 
 def test_buckets_follow_reverse_registration_order_and_start_when_full(module_ctx):

@@ -31,6 +31,7 @@ from mpitensor._transport.shm import arena as _arena
 from mpitensor._transport.shm import cma as _cma
 from mpitensor._transport.shm import group_state as _group_state
 from mpitensor._transport.shm import protocol as _protocol
+from tests.helpers import in_shared_memory as via_shared_memory
 from tests.helpers import run_job
 
 mpi = pytest.mark.mpi(min_size=2)
@@ -80,16 +81,6 @@ def digest(array: np.ndarray) -> str:
 
 def same_on_every_rank(comm, array: np.ndarray) -> bool:
     return len(set(comm.allgather(digest(array)))) == 1
-
-
-def via_shared_memory(result) -> bool:
-    """True when the result lives in a block of this rank's shared memory."""
-    array = result._array if isinstance(result, mt.Tensor) else result
-    while array is not None:
-        if isinstance(array, _arena.Lease):
-            return True
-        array = getattr(array, "base", None)
-    return False
 
 
 def reduce_fast(ctx, array: np.ndarray, op: OP, members=None) -> np.ndarray:
