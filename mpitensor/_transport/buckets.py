@@ -2,7 +2,7 @@
 
 A bucket is a private buffer the fused all-reduce packed its tensors into, in the work
 dtype. Large buckets take the shared-memory transport, as a single all-reduce of their
-size would (``select.BUCKET``); the others are one ``MPI_Iallreduce`` each. MAX/MIN of
+size would; the others are one ``MPI_Iallreduce`` each. MAX/MIN of
 floats (whose packed buckets MPI reduces as integer keys) and half precision (rounded back
 from float32) stay on MPI. Every rank decides from what all of them agree on (the bucket's
 size, dtype and op, the group and the configuration), so every rank posts the same
@@ -18,7 +18,7 @@ import numpy as np
 
 from .._core.mpi import MPI
 from .base import Channel, Host, PrivateCopy, ReduceCall, Stepper
-from .mpi import all_reduce_buckets
+from .mpi import SMALL_BYTES, all_reduce_buckets
 from .select import SHARED_MEMORY
 
 __all__ = ["BucketSteps", "post_buckets", "shared_bucket"]
@@ -36,7 +36,8 @@ def shared_bucket(ctx: Host, group: Channel, send: np.ndarray, plan: Any) -> Red
         The call, its result in ``call.out`` (a leased block of this rank's shared memory,
         or a pooled buffer); None when the bucket goes to MPI.
     """
-    if plan.codec is not None or plan.rounds_back:
+    # Small buckets stay on MPI whatever the settings, as small all-reduces do (`mpi.InPlace`).
+    if plan.codec is not None or plan.rounds_back or send.nbytes <= SMALL_BYTES:
         return None
     call = ReduceCall(ctx, group, PrivateCopy(send), plan, send.nbytes)
     if not SHARED_MEMORY.applies(call):
@@ -65,12 +66,10 @@ def post_buckets(
     Returns:
         The MPI requests, when no bucket goes through shared memory; else one `BucketSteps`.
     """
+    if not any(shared):  # the usual case for small buckets
+        return all_reduce_buckets(comm, plans, sends, recvs)
     mpi = [index for index, call in enumerate(shared) if call is None]
-    requests = all_reduce_buckets(
-        comm, [plans[i] for i in mpi], [sends[i] for i in mpi], [recvs[i] for i in mpi]
-    ) if mpi else []
-    if len(mpi) == len(shared):
-        return requests
+    requests = all_reduce_buckets(comm, [plans[i] for i in mpi], [sends[i] for i in mpi], [recvs[i] for i in mpi])
     return BucketSteps(requests, [call.start() for call in shared if call is not None])
 
 

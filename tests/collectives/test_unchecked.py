@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
+from mpitensor._transport.mpi import SMALL_BYTES
 from tests.helpers import OP, assert_matches, rank_input, reference, rejects, seed_of
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
-SHAPES = [(5000,), (70, 300), (1 << 16,)]  # 20 KiB to 512 KiB of float64
+SHAPES = [(10_000,), (70, 300), (1 << 16,)]  # 80 KiB to 512 KiB of float64
 DTYPES = [np.bool_, np.uint8, np.int32, np.int64, np.float16, np.float32, np.float64, np.complex128]
 
 
@@ -67,13 +68,16 @@ def test_results_kept_alive_are_not_reused_by_later_calls(unchecked_ctx):
         np.testing.assert_array_equal(result.numpy(), np.full(8192, float(i * ctx.size + base)))
 
 
+COUNT = 2 * SMALL_BYTES // 8  # float64s above the size small inputs are copied at
+
+
 @pytest.mark.mpi(min_size=2)
 def test_inputs_refuse_writes_in_flight_and_accept_them_after():
     with mt.DistributedContext.init(config=mt.DistributedConfig(check=False, shared_memory=False)) as ctx:
         if ctx.rank == 0:
             time.sleep(0.3)  # the others' all-reduces are certainly still in flight
-        tensor = mt.arange(8192, dtype=np.float64)
-        array = np.arange(8192.0)
+        tensor = mt.arange(COUNT, dtype=np.float64)
+        array = np.arange(float(COUNT))
         pending_tensor = mt.all_reduce(tensor)
         pending_array = mt.all_reduce(array, mt.ReduceOperation.MEAN)
         if ctx.rank != 0:
@@ -82,8 +86,8 @@ def test_inputs_refuse_writes_in_flight_and_accept_them_after():
                 tensor[0] = 1.0
             with pytest.raises(ValueError, match="read-only"):
                 array[0] = 1.0
-        np.testing.assert_array_equal(pending_tensor.resolve().numpy(), np.arange(8192.0) * ctx.size)
-        np.testing.assert_array_equal(pending_array.resolve().numpy(), np.arange(8192.0))
+        np.testing.assert_array_equal(pending_tensor.resolve().numpy(), np.arange(float(COUNT)) * ctx.size)
+        np.testing.assert_array_equal(pending_array.resolve().numpy(), np.arange(float(COUNT)))
         tensor[0] = 1.0
         array[0] = 1.0
 
@@ -92,7 +96,7 @@ def test_an_input_numpy_cannot_make_writable_again_is_copied(unchecked_ctx):
     ctx = unchecked_ctx
     # A view of memory exposed by __array_interface__ alone: NumPy would refuse to make it
     # writable again, so the collective must read a copy instead of locking it.
-    owner = np.full(6000, float(ctx.rank + 1))
+    owner = np.full(12_000, float(ctx.rank + 1))
 
     class Exposed:
         __array_interface__ = owner.__array_interface__
@@ -100,6 +104,6 @@ def test_an_input_numpy_cannot_make_writable_again_is_copied(unchecked_ctx):
     array = np.asarray(Exposed())
     pending = mt.all_reduce(array)
     array[0] = 100.0  # allowed: the collective reads its own copy
-    expected = np.full(6000, float(sum(range(1, ctx.size + 1))))
+    expected = np.full(12_000, float(sum(range(1, ctx.size + 1))))
     np.testing.assert_array_equal(pending.resolve().numpy(), expected)
     assert array.flags.writeable

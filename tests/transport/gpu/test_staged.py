@@ -86,7 +86,7 @@ def test_staged_copy_reduces_to_the_reference(shared_memory, op, dtype, shape):
 def test_staged_copy_takes_the_transport_a_host_input_would(shared_memory, count):
     """A rank with a GPU input runs the algorithm a rank with the host input of that size runs.
 
-    (In place through MPI up to 16 KiB whatever the settings, then shared memory where it
+    (In place through MPI up to 64 KiB whatever the settings, then shared memory where it
     applies: a mixed group must never have one rank in shared memory and another in MPI.)
     """
     config = mt.DistributedConfig(shared_memory=shared_memory, device="cpu")

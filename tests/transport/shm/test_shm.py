@@ -43,6 +43,8 @@ DTYPES = [np.float32, np.float64, np.int32, np.int64]
 COUNTS = [1, 3, 7, 1001, (1 << 18) + 3]
 _UFUNC = {OP.SUM: np.add, OP.MEAN: np.add, OP.MAX: np.maximum, OP.MIN: np.minimum, OP.PROD: np.multiply}
 
+# Float64s above the small-message path (which stays on MPI whatever the settings).
+ABOVE_SMALL = SMALL_BYTES // 8 + 905
 FAST = mt.DistributedConfig(shared_memory=True)
 PLAIN = mt.DistributedConfig(shared_memory=False)
 
@@ -198,7 +200,7 @@ def test_shapes_and_bool():
             public = mt.all_reduce(mt.tensor(inputs[ctx.rank])).resolve()
             assert public.shape == shape
             np.testing.assert_array_equal(np.array(public), reference(OP.SUM, inputs))
-        flags = [np.arange(30001) % (r + 2) == 0 for r in range(ctx.size)]
+        flags = [np.arange(SMALL_BYTES + 1) % (r + 2) == 0 for r in range(ctx.size)]
         for op, expected in ((OP.MAX, np.logical_or.reduce(flags)), (OP.MIN, np.logical_and.reduce(flags))):
             result = mt.all_reduce(flags[ctx.rank], op).resolve()
             assert via_shared_memory(result)
@@ -223,7 +225,7 @@ def test_sub_groups(kind):
             np.testing.assert_array_equal(np.array(result), np.full(1000, 2.0))
             return
         seed = seed_of("group", kind, tuple(members))
-        inputs = {r: exact_input(seed, r, (4099,), np.int64, OP.SUM) for r in members}
+        inputs = {r: exact_input(seed, r, (SMALL_BYTES // 8 + 3,), np.int64, OP.SUM) for r in members}
         result = mt.all_reduce(inputs[rank], OP.SUM, devices=members).resolve()
         if len(members) > 1:
             assert via_shared_memory(result)
@@ -268,7 +270,7 @@ def test_hierarchical_sub_group(monkeypatch):
         members = [r for r in range(ctx.size) if r != 1]  # nodes {0}, {2, 3}, ...
         if ctx.rank not in members:
             return
-        inputs = {r: exact_input(7, r, (3001,), np.int64, OP.SUM) for r in members}
+        inputs = {r: exact_input(7, r, (SMALL_BYTES // 8 + 1,), np.int64, OP.SUM) for r in members}
         result = mt.all_reduce(inputs[ctx.rank], devices=members).resolve()
         assert via_shared_memory(result)
         np.testing.assert_array_equal(np.array(result), reference(OP.SUM, [inputs[r] for r in members]))
@@ -282,10 +284,10 @@ def test_results_stay_valid_after_later_calls_and_close():
     with mt.DistributedContext.init(config=FAST) as ctx:
         kept = []
         for i in range(6):
-            inputs = [np.full(5000, float(i * 10 + r)) for r in range(ctx.size)]
+            inputs = [np.full(ABOVE_SMALL, float(i * 10 + r)) for r in range(ctx.size)]
             kept.append((mt.all_reduce(inputs[ctx.rank]).resolve(), reference(OP.SUM, inputs)))
         for _ in range(10):
-            mt.all_reduce(np.full(5000, -1.0)).resolve()
+            mt.all_reduce(np.full(ABOVE_SMALL, -1.0)).resolve()
         # After the first operation, ranks of one node synchronize through shared memory.
         assert group_state(ctx).flags == _protocol.ORDERED_STORES
         for result, expected in kept:
@@ -351,13 +353,13 @@ def test_off_switch_and_unsupported_ops():
 @mpi
 def test_mismatched_shapes_fail_the_check_not_hang():
     with mt.DistributedContext.init(config=FAST) as ctx:
-        count = 5000 + (ctx.rank == 0)
+        count = ABOVE_SMALL + (ctx.rank == 0)
         with pytest.raises(mt.CollectiveMismatchError, match="shape"):
             mt.all_reduce(np.ones(count)).resolve(timeout=60)
         # The group still works afterwards.
-        result = mt.all_reduce(np.ones(5000)).resolve(timeout=60)
+        result = mt.all_reduce(np.ones(ABOVE_SMALL)).resolve(timeout=60)
         assert via_shared_memory(result)
-        np.testing.assert_array_equal(np.array(result), np.full(5000, float(ctx.size)))
+        np.testing.assert_array_equal(np.array(result), np.full(ABOVE_SMALL, float(ctx.size)))
 
 
 @mpi
