@@ -321,16 +321,17 @@ class Engine:
                 self._post_data(op)  # a failure to post is raised by resolve()
             else:
                 try:
+                    carried = False
                     if op.record is not None:
                         self._post_check(op)
-                        if idle and op.payload is not None and not self.stepping and self._carried_at_once(op):
-                            return
+                        carried = idle and op.payload is not None and not self.stepping and self._carried_at_once(op)
                     else:
                         op.state = QUEUED
-                    group.queue.append(op)
-                    self.waiting_groups.add(group)
-                    if op.state != CHECKING or group.queue[0] is not op:
-                        self._pump(group)  # else _wait_check pumps, once the check had time to meet
+                    if not carried:
+                        group.queue.append(op)
+                        self.waiting_groups.add(group)
+                        if op.state != CHECKING or group.queue[0] is not op:
+                            self._pump(group)  # else _wait_check pumps, once the check had time to meet
                 except MPI.Exception as exc:
                     raise self.mpi_failed(exc, op) from exc
         if direct:
