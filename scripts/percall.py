@@ -60,6 +60,7 @@ def main(rounds: int) -> None:
                         tensor = mt.from_numpy(send.copy())
                         run(f"mt{suffix} {n}", lambda t=tensor: mt.all_reduce(t).resolve(), _SIZES[n])
                 tensors = [mt.from_numpy(leaf) for leaf in leaves]
+                mt.all_reduce(tensors).resolve()  # a new context's first large call sets up shared memory
                 run(f"fused{suffix}", lambda ts=tensors: mt.all_reduce(ts).resolve(), 10)
     if comm.Get_rank() == 0:
         low = {name: float(np.percentile(values, 10)) for name, values in samples.items()}
