@@ -321,10 +321,12 @@ class Engine:
                 self._post_data(op)  # a failure to post is raised by resolve()
             else:
                 try:
-                    carried = False
+                    carried = spun = False
                     if op.record is not None:
                         self._post_check(op)
-                        carried = idle and op.payload is not None and not self.stepping and self._carried_at_once(op)
+                        if idle and op.payload is not None and not self.stepping:
+                            spun = True  # the one spin of this check: `_wait_check` yields at once
+                            carried = self._carried_at_once(op)
                     else:
                         op.state = QUEUED
                     if not carried:
@@ -339,7 +341,7 @@ class Engine:
                 self._hold_back()
             return
         if op.state == CHECKING:
-            self._wait_check(op, self.ctx.config.check_grace if grace is None else grace)
+            self._wait_check(op, self.ctx.config.check_grace if grace is None else grace, spun)
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
@@ -378,8 +380,7 @@ class Engine:
         complete without entering the queue. Otherwise (late, or rows that differ) the
         caller queues it and the check goes on as any other.
         """
-        request = op.check_req
-        if not _spin(request):
+        if not _spin(op.check_req, self._check_spins()):
             return False
         rows = op.check_recv
         header = op.check_send[:HEADER_BYTES]
@@ -755,9 +756,11 @@ class Engine:
         if op.state < POSTED:
             self._poll_until(lambda: op.state >= POSTED, timeout, op)
 
-    def _wait_check(self, op: Op, grace: float) -> None:
+    def _wait_check(self, op: Op, grace: float, spun: bool = False) -> None:
         deadline = time.monotonic() + grace
-        backoff = None
+        # Spinning on the check is for the first round only, and only if the call has not
+        # spun already: where ranks outnumber cores, the peer it waits for needs this core.
+        backoff = Backoff(self.spin_pauses) if spun else None
         group = op.group
         while op.state == CHECKING:
             with self.lock:
@@ -769,7 +772,7 @@ class Engine:
                             # a while is enough (a completed request tests True again). Only
                             # at first: a check that takes longer waits for a peer, which on
                             # an oversubscribed node needs this rank to yield its core soon.
-                            _spin(op.check_req)
+                            _spin(op.check_req, self._check_spins())
                         self._pump(group)
                     except MPI.Exception as exc:
                         raise self.mpi_failed(exc, op) from exc
@@ -780,6 +783,10 @@ class Engine:
             if backoff is None:
                 backoff = Backoff(self.spin_pauses)
             backoff.pause()
+
+    def _check_spins(self) -> int:
+        """How many times a call tests its check before it yields: few where ranks outnumber cores."""
+        return _SPINS if self.spin_pauses >= SPIN_PAUSES else OVERSUBSCRIBED_SPINS
 
     def drain(self, timeout: float | None) -> None:
         """Block until nothing is in flight (used by close()).
@@ -833,16 +840,17 @@ class Engine:
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 _SPINS = 64  # tests of a check's request between rounds of the engine's progress
+OVERSUBSCRIBED_SPINS = 16  # the same where the node has more ranks than cores
 # Pauses of a wait that only spin before it yields the core: few where the node has more
 # ranks than cores (the peer waited for may need this core), more where each rank has one.
 SPIN_PAUSES = 50
 OVERSUBSCRIBED_SPIN_PAUSES = 4
 
 
-def _spin(request: Any) -> bool:
-    """Test `request` until it completes, at most `_SPINS` times; whether it did."""
+def _spin(request: Any, spins: int) -> bool:
+    """Test `request` until it completes, at most `spins` times; whether it did."""
     test = request.Test
-    return any(test() for _ in range(_SPINS))
+    return any(test() for _ in range(spins))
 
 
 class Backoff:
