@@ -99,7 +99,7 @@ LARGE_SPECS = [((50_000,), np.float32), ((250, 200), np.float32), ((30,), np.flo
 @pytest.mark.parametrize("check", [True, False])
 @pytest.mark.parametrize("op, factors", [(OP.SUM, (None, None)), (OP.MEAN, (None, None)), (OP.MAX, (None, None)),
                                          (OP.PROD, (None, None)), (OP.SUM, (2, 3))], ids=str)
-def test_large_buckets_reducein_shared_memory(module_ctx, op, factors, check):
+def test_large_buckets_reduce_in_shared_memory(module_ctx, op, factors, check):
     """Buckets the shared-memory transport takes reduce there, the others through MPI, in one op.
 
     MAX of floats (integer keys), half precision and small buckets stay on MPI; every result equals

@@ -42,7 +42,7 @@ def test_same_gradients_as_a_blocking_all_reduce_of_each(module_ctx, bucket_byte
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", [OP.MEAN, OP.MAX])
-def test_large_buckets_reducein_shared_memory(module_ctx, op):
+def test_large_buckets_reduce_in_shared_memory(module_ctx, op):
     """Buckets the shared-memory transport takes reduce there (MAX of floats stays on MPI)."""
     ctx = module_ctx
     params = {"w": ((300, 200), np.float32), "b": ((200,), np.float32), "n": ((40_000,), np.int64)}

@@ -18,7 +18,7 @@ from tests.helpers import OP, agree, rank_input, reference, rejects, seed_of, st
 pytestmark = pytest.mark.mpi(min_size=1)
 
 DTYPES = [np.bool_, np.int8, np.int64, np.uint32, np.float16, np.float32, np.float64, np.complex128]
-SHAPES = [(), (0,), (3,), (2, 5), (1000,), (4097,)]
+SHAPES = [(), (0,), (3,), (2, 5), (1000,), (SMALL_BYTES // 8 + 1,)]  # the last: small in 4 bytes, not in 8
 
 
 def _lanes(ctx: mt.DistributedContext) -> dict:

@@ -18,7 +18,7 @@ from mpitensor._transport.base import PrivateCopy, ReduceCall, select
 from mpitensor._transport.gpu.after_event import AfterEvent
 from mpitensor._transport.gpu.fix_up import FixUp, apply
 from mpitensor._transport.gpu.staged import host_reduction, result_fix
-from mpitensor._transport.mpi import OnCopy
+from mpitensor._transport.mpi import SMALL_BYTES, OnCopy
 from mpitensor._transport.select import ALL_REDUCE
 from mpitensor._transport.shm import SharedMemory
 from tests.helpers import OP, assert_matches, rank_input, reference, seed_of
@@ -82,7 +82,7 @@ def test_staged_copy_reduces_to_the_reference(shared_memory, op, dtype, shape):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("shared_memory", [True, None, False])
-@pytest.mark.parametrize("count", [4096, 4097, 1 << 18])
+@pytest.mark.parametrize("count", [SMALL_BYTES // 4, SMALL_BYTES // 4 + 1, 1 << 18])
 def test_staged_copy_takes_the_transport_a_host_input_would(shared_memory, count):
     """A rank with a GPU input runs the algorithm a rank with the host input of that size runs.
 
@@ -99,7 +99,7 @@ def test_staged_copy_takes_the_transport_a_host_input_would(shared_memory, count
         shm = isinstance(select(ALL_REDUCE, host_call), SharedMemory)
         assert isinstance(call.transport, SharedMemory if shm else OnCopy), (call.transport.name, shm)
         assert call.decoded == shm
-        if count == 4096 or shared_memory is False:
+        if count == SMALL_BYTES // 4 or shared_memory is False:
             assert not shm, "small messages, or shared memory off: MPI on every rank"
 
 
