@@ -320,22 +320,7 @@ class Engine:
             if direct:
                 self._post_data(op)  # a failure to post is raised by resolve()
             else:
-                try:
-                    carried = spun = False
-                    if op.record is not None:
-                        self._post_check(op)
-                        if idle and op.payload is not None and not self.stepping:
-                            spun = True  # the one spin of this check: `_wait_check` yields at once
-                            carried = self._carried_at_once(op)
-                    else:
-                        op.state = QUEUED
-                    if not carried:
-                        group.queue.append(op)
-                        self.waiting_groups.add(group)
-                        if op.state != CHECKING or group.queue[0] is not op:
-                            self._pump(group)  # else _wait_check pumps, once the check had time to meet
-                except MPI.Exception as exc:
-                    raise self.mpi_failed(exc, op) from exc
+                spun = self._enqueue(op, idle)
         if direct:
             if len(self.posted) > _MAX_POSTED:
                 self._hold_back()
@@ -345,6 +330,37 @@ class Engine:
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
+
+    def _enqueue(self, op: Op, idle: bool) -> bool:
+        """Post `op`'s check, if it has one, and queue `op` on its group (call with the lock held).
+
+        An op that carries its input in its check, on an `idle` group, first tries
+        `_carried_at_once`; it is not queued if that completes it.
+
+        Returns:
+            Whether the call has spun on the check already (`_wait_check` then yields at once).
+
+        Raises:
+            ContextBrokenError: MPI failed to post the check (the context is then broken).
+        """
+        group = op.group
+        spun = False
+        try:
+            if op.record is None:
+                op.state = QUEUED
+            else:
+                self._post_check(op)
+                if idle and op.payload is not None and not self.stepping:
+                    spun = True
+                    if self._carried_at_once(op):
+                        return spun
+            group.queue.append(op)
+            self.waiting_groups.add(group)
+            if op.state != CHECKING or group.queue[0] is not op:
+                self._pump(group)  # else _wait_check pumps, once the check had time to meet
+        except MPI.Exception as exc:
+            raise self.mpi_failed(exc, op) from exc
+        return spun
 
     def _post_check(self, op: Op) -> None:
         group = op.group
