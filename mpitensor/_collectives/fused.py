@@ -246,30 +246,9 @@ def _start_fused(
     sizes = list(map(_SIZE, buffers))
     limit = bucket_bytes or ctx.config.bucket_bytes
     buckets = _pack_one_kind(sizes, plans[0], limit) if len(by_dtype) == 1 else plan_buckets(sizes, plans, limit)
-    sends, recvs = [], []
-    shared: list[ReduceCall | None] = []
+    sends, recvs, shared, views = _pack(ctx, group, buckets, buffers)
     rounding: list[tuple[np.ndarray, np.ndarray]] = []  # half precision: (float32 view, result)
-    rounds = any(plan.rounds_back for plan in by_dtype.values())
-    whole = len(buckets) == 1  # the usual case: one bucket holds every tensor, in order
-    views: list[Any] = [] if whole else [None] * len(buffers)
-    for bucket in buckets:
-        dtype = bucket.plan.work_dtype
-        send = ctx.pool.empty((bucket.elements,), dtype)
-        parts = buffers if whole else [buffers[i] for i in bucket.members]
-        # One C call packs the bucket, flattening each input itself (axis=None).
-        np.concatenate(parts, axis=None, out=send, casting="unsafe")
-        call = shared_bucket(ctx, group, send, bucket.plan)
-        out = ctx.pool.empty((bucket.elements,), dtype) if call is None else call.out
-        shared.append(call)
-        unpacked = _unpack(out, parts, bucket.offsets)
-        if whole:
-            views = unpacked
-        else:
-            for index, view in zip(bucket.members, unpacked):
-                views[index] = view
-        sends.append(send)
-        recvs.append(out)
-    if rounds:
+    if any(plan.rounds_back for plan in by_dtype.values()):
         for index, plan in enumerate(plans):
             if plan.rounds_back:
                 final = ctx.pool.empty(buffers[index].shape, plan.out_dtype)
@@ -284,6 +263,38 @@ def _start_fused(
     record.entries = partial(describe_entries, keys, buffers)
     nbytes = sum(map(_NBYTES, buffers))
     return start_buckets(ctx, group, buckets, sends, recvs, result, record, nbytes, rounding, scales, shared=shared)
+
+
+def _pack(
+    ctx: DistributedContext, group: Group, buckets: Sequence[Bucket], buffers: list[np.ndarray]
+) -> tuple[list[np.ndarray], list[np.ndarray], list[ReduceCall | None], list[np.ndarray]]:
+    """Pack `buffers` into their buckets, and take each bucket's result buffer.
+
+    Returns:
+        Each bucket's packed input and result buffer, and its shared-memory call (None: MPI
+        reduces it); then each tensor's view of its bucket's result, in the order of `buffers`.
+    """
+    sends, recvs, shared = [], [], []
+    whole = len(buckets) == 1  # the usual case: one bucket holds every tensor, in order
+    views: list[Any] = [] if whole else [None] * len(buffers)
+    for bucket in buckets:
+        dtype = bucket.plan.work_dtype
+        send = ctx.pool.empty((bucket.elements,), dtype)
+        parts = buffers if whole else [buffers[i] for i in bucket.members]
+        # One C call packs the bucket, flattening each input itself (axis=None).
+        np.concatenate(parts, axis=None, out=send, casting="unsafe")
+        call = shared_bucket(ctx, group, send, bucket.plan)
+        out = ctx.pool.empty((bucket.elements,), dtype) if call is None else call.out
+        unpacked = _unpack(out, parts, bucket.offsets)
+        if whole:
+            views = unpacked
+        else:
+            for index, view in zip(bucket.members, unpacked):
+                views[index] = view
+        sends.append(send)
+        recvs.append(out)
+        shared.append(call)
+    return sends, recvs, shared, views
 
 
 def _unpack(out: np.ndarray, parts: list[np.ndarray], offsets: list[int]) -> list[np.ndarray]:
