@@ -64,7 +64,8 @@ def plan_buckets(sizes: Sequence[int], plans: Sequence[ReducePlan], bucket_bytes
         The buckets, in the order their first tensor appears.
     """
     buckets: list[Bucket] = []
-    if plans and len(set(map(id, plans))) == 1:
+    # One C loop, identity first (plans are cached per op and dtype): the usual case.
+    if plans and plans.count(plans[0]) == len(plans):
         return _pack_one_kind(sizes, plans[0], bucket_bytes)
     open_by_kind: dict[tuple[Any, ...], Bucket] = {}
     for index, (size, plan) in enumerate(zip(sizes, plans)):
@@ -244,8 +245,7 @@ def _start_fused(
     by_dtype = {dtype: reduce_plan(reduce_op, dtype) for dtype in set(dtypes)}
     plans = [by_dtype[dtype] for dtype in dtypes] if len(by_dtype) > 1 else [*by_dtype.values()] * len(buffers)
     sizes = list(map(_SIZE, buffers))
-    limit = bucket_bytes or ctx.config.bucket_bytes
-    buckets = _pack_one_kind(sizes, plans[0], limit) if len(by_dtype) == 1 else plan_buckets(sizes, plans, limit)
+    buckets = plan_buckets(sizes, plans, bucket_bytes or ctx.config.bucket_bytes)
     sends, recvs, shared, views = _pack(ctx, group, buckets, buffers)
     rounding: list[tuple[np.ndarray, np.ndarray]] = []  # half precision: (float32 view, result)
     if any(plan.rounds_back for plan in by_dtype.values()):

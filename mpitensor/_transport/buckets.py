@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from .._core.mpi import MPI
-from .base import Channel, Host, PrivateCopy, ReduceCall, Stepper
-from .mpi import SMALL_BYTES, all_reduce_buckets
-from .select import SHARED_MEMORY
+from .base import Channel, Host, PrivateCopy, ReduceCall, Stepper, select
+from .mpi import all_reduce_buckets
+from .select import ALL_REDUCE, SHARED_MEMORY
 
 __all__ = ["BucketSteps", "post_buckets", "shared_bucket"]
+
 
 def shared_bucket(ctx: Host, group: Channel, send: np.ndarray, plan: Any) -> ReduceCall | None:
     """The all-reduce of the packed bucket `send` through shared memory, prepared; None where it does not apply.
@@ -36,13 +37,12 @@ def shared_bucket(ctx: Host, group: Channel, send: np.ndarray, plan: Any) -> Red
         The call, its result in ``call.out`` (a leased block of this rank's shared memory,
         or a pooled buffer); None when the bucket goes to MPI.
     """
-    # Small buckets stay on MPI whatever the settings, as small all-reduces do (`mpi.InPlace`).
-    if plan.codec is not None or plan.rounds_back or send.nbytes <= SMALL_BYTES:
+    if plan.codec is not None or plan.rounds_back:  # packed as MPI's keys, or rounded back here
         return None
     call = ReduceCall(ctx, group, PrivateCopy(send), plan, send.nbytes)
-    if not SHARED_MEMORY.applies(call):
+    # The choice a single all-reduce of this size makes (small ones stay on MPI whatever the settings).
+    if select(ALL_REDUCE, call) is not SHARED_MEMORY:
         return None
-    call.transport = SHARED_MEMORY
     SHARED_MEMORY.prepare(call)
     return call
 
