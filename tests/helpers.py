@@ -10,10 +10,11 @@ import sys
 import textwrap
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 import mpitensor as mt
@@ -236,7 +237,15 @@ def same(got: object, expected: np.ndarray) -> bool:
 
 def still_usable(ctx: mt.DistributedContext) -> None:
     """Assert that a small all-reduce over the whole context still gives the right sum (after a misuse)."""
-    assert mt.all_reduce(np.ones(2)).resolve().numpy().tolist() == [float(ctx.size)] * 2
+    assert mt.all_reduce(np.ones(3)).resolve().numpy().tolist() == [float(ctx.size)] * 3
+
+
+def expect_mismatch(call: Callable[[], mt.CollectiveTensor], *fragments: str) -> None:
+    """`call` (or resolving it) raises CollectiveMismatchError naming every fragment."""
+    with pytest.raises(mt.CollectiveMismatchError) as info:
+        call().resolve()
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
 
 
 def in_shared_memory(result: object) -> bool:

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
-import pytest
 
 import mpitensor as mt
-from tests.helpers import OP, tolerance
+from tests.helpers import OP, agree, expect_mismatch, still_usable, tolerance
 
-
-def agree(ok: bool, what: str) -> None:
-    """Every rank passes or fails an example together (no rank may stop early)."""
-    verdict = mt.all_reduce(np.array(ok), "min").resolve().item()
-    assert verdict, f"{what}: failed on {'this rank' if not ok else 'another rank'}"
+# The checks these tests share with the others live in tests.helpers; kept importable from here.
+__all__ = ["agree", "close", "expect_mismatch", "still_usable"]
 
 
 def close(got, expected: np.ndarray, op: mt.ReduceOperation | None, count: int, scale: float = 1.0) -> bool:
@@ -28,14 +22,3 @@ def close(got, expected: np.ndarray, op: mt.ReduceOperation | None, count: int, 
     return bool(np.allclose(got, expected, rtol=tol, atol=tol))
 
 
-def expect_mismatch(call: Callable[[], mt.CollectiveTensor], *fragments: str) -> None:
-    """`call` (or resolving it) raises CollectiveMismatchError naming every fragment."""
-    with pytest.raises(mt.CollectiveMismatchError) as info:
-        call().resolve()
-    for fragment in fragments:
-        assert fragment in str(info.value), str(info.value)
-
-
-def still_usable(ctx: mt.DistributedContext) -> None:
-    """The context still runs collectives after a mismatch."""
-    assert mt.all_reduce(np.ones(3)).resolve().numpy().tolist() == [float(ctx.size)] * 3

@@ -25,6 +25,7 @@ from tests.helpers import (
     OP,
     agree,
     every_rank_settings,
+    expect_mismatch,
     rank_input,
     reference,
     rejects,
@@ -114,19 +115,12 @@ def test_small_checked_calls_travel_in_the_check(ctx):
     assert select(ALL_REDUCE_CHECKED, call) is not IN_CHECK, "half precision is rounded back: left to MPI"
 
 
-def _expect_mismatch(call, *fragments: str) -> None:
-    with pytest.raises(mt.CollectiveMismatchError) as info:
-        call().resolve()
-    for fragment in fragments:
-        assert fragment in str(info.value), str(info.value)
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("large", [17, 100_000])
 def test_small_meets_large_all_reduce(ctx, large):
     """A small call on one rank meets a larger one (above the payload, or on the shared-memory path)."""
     count = large if ctx.rank == ctx.size - 1 else 2
-    _expect_mismatch(lambda: mt.all_reduce(np.ones(count)), "Mismatched all_reduce tensor shapes", f"({large},)")
+    expect_mismatch(lambda: mt.all_reduce(np.ones(count)), "Mismatched all_reduce tensor shapes", f"({large},)")
     still_usable(ctx)
 
 
@@ -142,7 +136,7 @@ def test_small_meets_another_collective(ctx, other):
         "fused": lambda: mt.all_reduce([small, small]),
     }
     call = calls[other] if ctx.rank == ctx.size - 1 else (lambda: mt.all_reduce(small))
-    _expect_mismatch(call, "called all_reduce", "but rank")
+    expect_mismatch(call, "called all_reduce", "but rank")
     still_usable(ctx)
 
 
@@ -151,10 +145,10 @@ def test_small_meets_another_collective(ctx, other):
 def test_small_calls_that_differ(ctx, what):
     odd = ctx.rank == ctx.size - 1
     if what == "dtype":
-        _expect_mismatch(lambda: mt.all_reduce(np.ones(2, np.float32 if odd else np.int32)),
+        expect_mismatch(lambda: mt.all_reduce(np.ones(2, np.float32 if odd else np.int32)),
                          "Mismatched all_reduce tensor dtypes")
     else:
-        _expect_mismatch(lambda: mt.all_reduce(np.ones(2), "max" if odd else "sum"), "Mismatched all_reduce reduce ops")
+        expect_mismatch(lambda: mt.all_reduce(np.ones(2), "max" if odd else "sum"), "Mismatched all_reduce reduce ops")
     still_usable(ctx)
 
 
@@ -165,7 +159,7 @@ def test_small_call_failed_on_one_rank(ctx):
         with pytest.raises(TypeError):
             mt.all_reduce(np.array(["a", "b"])).resolve()
     else:
-        _expect_mismatch(lambda: mt.all_reduce(np.ones(2)), "Collective failed on another rank")
+        expect_mismatch(lambda: mt.all_reduce(np.ones(2)), "Collective failed on another rank")
     still_usable(ctx)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
+from tests.helpers import still_usable
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -29,10 +30,6 @@ def _expect_mismatch(call, *fragments: str) -> float:
     return seconds
 
 
-def _still_usable(ctx: mt.DistributedContext) -> None:
-    assert mt.all_reduce(np.ones(3)).resolve().numpy().tolist() == [float(ctx.size)] * 3
-
-
 def test_shapes(ctx):
     last = ctx.size - 1
     shape = _odd_one_out(ctx, (3, 4), (3, 5))
@@ -43,7 +40,7 @@ def test_shapes(ctx):
         f"but rank {last} sent a tensor of shape (3, 5)",
     )
     assert seconds < 5
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_dtypes(ctx):
@@ -54,7 +51,7 @@ def test_dtypes(ctx):
         "sent a tensor of dtype float32",
         f"rank {ctx.size - 1} sent a tensor of dtype float64",
     )
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_ops(ctx):
@@ -65,7 +62,7 @@ def test_ops(ctx):
         "asked for SUM",
         f"rank {ctx.size - 1} asked for MAX",
     )
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_roots(ctx):
@@ -76,7 +73,7 @@ def test_roots(ctx):
         "named root 0",
         f"rank {ctx.size - 1} named root 1",
     )
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_operations(ctx):
@@ -85,13 +82,13 @@ def test_operations(ctx):
     else:
         call = lambda: mt.all_reduce(np.ones(2))  # noqa: E731
     _expect_mismatch(call, "called all_reduce", f"rank {ctx.size - 1} called reduce")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_all_gather_other_dimensions(ctx):
     shape = _odd_one_out(ctx, (ctx.rank + 1, 3), (1, 4))
     _expect_mismatch(lambda: mt.all_gather(np.ones(shape)), "Mismatched all_gather tensor shapes", "(?, 3)", "(?, 4)")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_fused_structures(ctx):
@@ -101,7 +98,7 @@ def test_fused_structures(ctx):
         "Mismatched fused all_reduce",
         f"rank {ctx.size - 1}",
     )
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_a_mismatch_raised_by_resolve_when_a_rank_is_late():
@@ -118,7 +115,7 @@ def test_a_mismatch_raised_by_resolve_when_a_rank_is_late():
         if isinstance(pending_or_error, mt.CollectiveTensor):
             with pytest.raises(mt.CollectiveMismatchError, match="tensor shapes"):
                 pending_or_error.resolve()
-        _still_usable(ctx)
+        still_usable(ctx)
 
 
 @pytest.mark.mpi(min_size=3)
@@ -127,17 +124,17 @@ def test_groups_on_first_use(ctx):
     devices = [0, 1] if ctx.rank == 0 else None
     seconds = _expect_mismatch(lambda: mt.all_reduce(np.ones(3), devices=devices), "Mismatched groups")
     assert seconds < 10
-    _still_usable(ctx)
+    still_usable(ctx)
     if ctx.rank in (0, 1):  # the group works once the ranks agree
         assert mt.all_reduce(np.ones(2), devices=[0, 1]).resolve().numpy().tolist() == [2.0, 2.0]
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 @pytest.mark.mpi(min_size=3)
 def test_groups_whose_communicators_exist(ctx):
     if ctx.rank in (0, 1):
         mt.all_reduce(np.ones(1), devices=[0, 1]).resolve()
-    _still_usable(ctx)
+    still_usable(ctx)
     devices = [0, 1] if ctx.rank == 0 else None
     start = time.monotonic()
     with pytest.raises(mt.CollectiveMismatchError) as info:
@@ -149,10 +146,10 @@ def test_groups_whose_communicators_exist(ctx):
         assert "rank 1 is in all_reduce on group" in message
     else:
         assert "rank 0 is in all_reduce on group [0, 1]" in message
-    _still_usable(ctx)
+    still_usable(ctx)
     if ctx.rank in (0, 1):
         assert mt.all_reduce(np.ones(2), devices=[0, 1]).resolve().numpy().tolist() == [2.0, 2.0]
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 @pytest.mark.mpi(min_size=3)
@@ -174,14 +171,14 @@ def test_gather_roots(ctx):
     root = _odd_one_out(ctx, 0, 1)
     _expect_mismatch(lambda: mt.gather(np.ones(2), root), "Mismatched gather roots", "named root 0",
                      f"rank {ctx.size - 1} named root 1")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_gather_axes(ctx):
     axis = _odd_one_out(ctx, 0, 1)
     _expect_mismatch(lambda: mt.gather(np.ones((2, 2)), axis=axis), "Mismatched gather",
                      "passed argument 0", f"rank {ctx.size - 1} passed argument 1")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_gather_dtypes_and_other_dimensions(ctx):
@@ -189,7 +186,7 @@ def test_gather_dtypes_and_other_dimensions(ctx):
     _expect_mismatch(lambda: mt.gather(np.ones(2, dtype)), "Mismatched gather tensor dtypes", "int32", "int64")
     shape = _odd_one_out(ctx, (2, 3), (2, 4))
     _expect_mismatch(lambda: mt.gather(np.ones(shape)), "Mismatched gather tensor shapes", "(?, 3)", "(?, 4)")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def _scatter_input(ctx, shape, dtype=np.float64):
@@ -201,7 +198,7 @@ def test_scatter_roots(ctx):
     whole = np.ones(2 * ctx.size)
     _expect_mismatch(lambda: mt.scatter(whole, root), "Mismatched scatter roots", "named root 0",
                      f"rank {ctx.size - 1} named root 1")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_scatter_counts_and_axes(ctx):
@@ -216,7 +213,7 @@ def test_scatter_counts_and_axes(ctx):
         lambda: mt.scatter(_scatter_input(ctx, (n, n)), 0, axis=axis, shape=(n, n), dtype=np.float64),
         "Mismatched scatter arguments", "axis=0, counts=equal", "axis=1, counts=equal",
     )
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_scatter_shapes_and_dtypes_described_by_non_roots(ctx):
@@ -227,7 +224,7 @@ def test_scatter_shapes_and_dtypes_described_by_non_roots(ctx):
     dtype = _odd_one_out(ctx, np.float64, np.float32)
     _expect_mismatch(lambda: mt.scatter(_scatter_input(ctx, (n,)), 0, shape=(n,), dtype=dtype),
                      "Mismatched scatter tensor dtypes", "float64", "float32")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 @pytest.mark.parametrize("kind", ["scan", "exscan"])
@@ -241,14 +238,14 @@ def test_scan_ops_shapes_and_kinds(ctx, kind):
     other = mt.exscan if kind == "scan" else mt.scan
     odd = _odd_one_out(ctx, call, other)
     _expect_mismatch(lambda: odd(np.ones(3)), f"called {kind}", f"rank {ctx.size - 1} called")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_bitwise_ops_in_all_reduce(ctx):
     op = _odd_one_out(ctx, "band", "bor")
     _expect_mismatch(lambda: mt.all_reduce(np.ones(3, np.int32), op), "Mismatched all_reduce reduce ops",
                      "asked for BAND", f"rank {ctx.size - 1} asked for BOR")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 @pytest.mark.parametrize("kind", ["broadcast_object", "gather_object"])
@@ -257,10 +254,10 @@ def test_object_roots(ctx, kind):
     root = _odd_one_out(ctx, 0, 1)
     _expect_mismatch(lambda: call({"rank": ctx.rank}, root), f"Mismatched {kind} roots", "named root 0",
                      f"rank {ctx.size - 1} named root 1")
-    _still_usable(ctx)
+    still_usable(ctx)
 
 
 def test_object_collectives_against_each_other(ctx):
     odd = _odd_one_out(ctx, mt.all_gather_object, mt.broadcast_object)
     _expect_mismatch(lambda: odd("x"), "called all_gather_object", f"rank {ctx.size - 1} called broadcast_object")
-    _still_usable(ctx)
+    still_usable(ctx)

@@ -15,17 +15,12 @@ from hypothesis.extra.numpy import array_shapes
 
 import mpitensor as mt
 from tests.conftest import GROUP_KINDS, group_members
-from tests.helpers import ALL_DTYPES, BITWISE, OP, every_rank_settings, rank_input, reference, rejects, tolerance
+from tests.helpers import ALL_DTYPES, BITWISE, OP, agree, every_rank_settings, rank_input, reference, rejects, tolerance
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
 SETTINGS = every_rank_settings(60)
 KINDS = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "fused"]
-
-
-def _agree(ctx: mt.DistributedContext, ok: bool, what: str) -> None:
-    verdict = mt.all_reduce(np.array(ok), "min").resolve().item()
-    assert verdict, f"{what}: failed on {'this rank' if not ok else 'another rank'}"
 
 
 def _close(got: np.ndarray, expected: np.ndarray, op: mt.ReduceOperation | None, count: int) -> bool:
@@ -51,7 +46,7 @@ def test_random_collectives_match_numpy(module_ctx, kind, dtype, shape, op, grou
     ctx = module_ctx
     members = group_members(group_kind, ctx.size, ctx.rank)
     if members is None:  # outside this group: take part in the verdict only
-        _agree(ctx, True, "outside")
+        agree(True, "outside")
         return
     n = len(members)
     if rejects(op, dtype):  # bitwise ops reduce integers (floats raise TypeError: see test_bitwise)
@@ -94,4 +89,4 @@ def test_random_collectives_match_numpy(module_ctx, kind, dtype, shape, op, grou
         ok = _close(got[0], reference(op, [inputs[r] for r in members]), op, n) and _close(
             got[1], reference(op, [others[r] for r in members]), op, n
         )
-    _agree(ctx, ok, f"{kind} {np.dtype(dtype).name} {shape} {op.name} on {members}")
+    agree(ok, f"{kind} {np.dtype(dtype).name} {shape} {op.name} on {members}")
