@@ -66,46 +66,33 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
         op: ReduceOperation | str | None = None,
         devices: DevicesArg = None,
         *more: Any,
-        out: Any = None,
-        prescale_factor: Any = None,
-        postscale_factor: Any = None,
-        **unknown: Any,
+        **options: Any,
     ) -> CollectiveTensor:
-        if (input is _UNSET or more or unknown or out is not None or prescale_factor is not None
-                or postscale_factor is not None):
-            # Options, or arguments all_reduce does not take: `general` raises for the
-            # latter inside the entry, which tells the peers that this rank's call failed.
-            head = () if input is _UNSET else (input,)
-            if more:
-                return general(*head, op, devices, *more, out=out, prescale_factor=prescale_factor,
-                               postscale_factor=postscale_factor, **unknown)
-            return general(*head, op=op, devices=devices, out=out, prescale_factor=prescale_factor,
-                           postscale_factor=postscale_factor, **unknown)
-        if devices is None and open_contexts:
+        if devices is None and open_contexts and not options and not more:
             kind = type(input)
             array = input if kind is np.ndarray else input.array if kind is Tensor else None
             # Every lane's input fits `SMALL_BYTES`: larger calls leave here, before the lookup.
             if type(array) is np.ndarray and array.nbytes <= SMALL_BYTES and array.flags.c_contiguous:
-                handle = _on_lane(open_contexts[-1], input if kind is Tensor else None, array, op)
-                if handle is not None:
-                    return handle
-        return general(input, op, devices)
+                ctx = open_contexts[-1]
+                lanes = ctx.full_group.extra.get(LANES)
+                if lanes is not None and ctx.usable and ctx.owner_thread == get_ident():
+                    try:
+                        lane = lanes.get((array.dtype, array.shape, op))
+                    except TypeError:  # an unhashable op: the general path says what is wrong with it
+                        lane = None
+                    if lane is not None:
+                        handle = lane.start(input if kind is Tensor else None, array)
+                        if handle is not None:
+                            return handle
+        if input is _UNSET:
+            # No input: `general` raises inside the entry, which tells the peers that this
+            # rank's call failed (as it does for arguments all_reduce does not take).
+            return general(op=op, devices=devices, **options)
+        if more:
+            return general(input, op, devices, *more, **options)
+        return general(input, op, devices, **options)
 
     return all_reduce
-
-
-def _on_lane(ctx: Any, tensor: Tensor | None, array: np.ndarray, op: Any) -> CollectiveTensor | None:
-    """Start the call on its lane on `ctx`; None when it has none (or may not take it now)."""
-    lanes = ctx.full_group.extra.get(LANES)
-    if lanes is None:
-        return None
-    try:
-        lane = lanes.get((array.dtype, array.shape, op))
-    except TypeError:  # an unhashable op: the general path says what is wrong with it
-        return None
-    if lane is None or not ctx.usable or ctx.owner_thread != get_ident():
-        return None
-    return lane.start(tensor, array)
 
 
 class _Lane:

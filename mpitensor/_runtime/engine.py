@@ -314,13 +314,18 @@ class Engine:
         if not ctx.usable:
             ctx.ensure_usable()
         group = op.group
-        with self.lock:
+        lock = self.lock
+        # acquire/release rather than `with`: half the cost, on the path of every call.
+        lock.acquire()
+        try:
             idle = not group.queue and (group.holder is None or not self._held(group))
             direct = op.record is None and idle
             if direct:
                 self._post_data(op)  # a failure to post is raised by resolve()
             else:
                 spun = self._enqueue(op, idle)
+        finally:
+            lock.release()
         if direct:
             if len(self.posted) > _MAX_POSTED:
                 self._hold_back()
@@ -742,30 +747,38 @@ class Engine:
                 # Nothing is queued anywhere and no step-driven op is in flight, so no peer
                 # waits for this rank to post or to step: a blocking wait inside MPI (which
                 # progresses every MPI request) is safe, and the fastest.
-                with self.lock:
+                lock = self.lock
+                lock.acquire()  # as in submit
+                try:
                     if op.state == POSTED and not self.waiting_groups:
-                        requests = op.requests
-                        try:
-                            if len(requests) == 1:
-                                requests[0].Wait()
-                            else:
-                                MPI.Request.Waitall(requests)
-                        except MPI.Exception as exc:
-                            raise self.mpi_failed(exc, op) from exc
-                        self.posted.remove(op)
-                        if op.finish is None and not op.protections:
-                            # What _complete does for the plain case, inlined: this is
-                            # the end of every small all-reduce.
-                            op.requests = []
-                            op.keep = ()
-                            op.state = COMPLETE
-                        else:
-                            self._complete(op)
+                        self._wait_posted_op(op)
+                finally:
+                    lock.release()
             if op.state < COMPLETE:
                 self._poll_until(lambda: op.state >= COMPLETE, timeout, op)
         if op.state == FAILED:
             assert op.error is not None
             raise op.error
+
+    def _wait_posted_op(self, op: Op) -> None:
+        """Block inside MPI until posted `op` is done, and complete it (call with the lock held)."""
+        requests = op.requests
+        try:
+            if len(requests) == 1:
+                requests[0].Wait()
+            else:
+                MPI.Request.Waitall(requests)
+        except MPI.Exception as exc:
+            raise self.mpi_failed(exc, op) from exc
+        self.posted.remove(op)
+        if op.finish is None and not op.protections:
+            # What _complete does for the plain case, inlined: this is the end of every
+            # small all-reduce.
+            op.requests = []
+            op.keep = ()
+            op.state = COMPLETE
+        else:
+            self._complete(op)
 
     def wait_posted(self, op: Op, timeout: float | None) -> None:
         """Block until `op`'s data is posted (or it completed or failed)."""
@@ -866,7 +879,11 @@ OVERSUBSCRIBED_SPIN_PAUSES = 4
 def _spin(request: Any, spins: int) -> bool:
     """Test `request` until it completes, at most `spins` times; whether it did."""
     test = request.Test
-    return any(test() for _ in range(spins))
+    # A loop, not any() over a generator: resuming a generator costs on every test.
+    for _ in range(spins):  # noqa: SIM110
+        if test():
+            return True
+    return False
 
 
 class Backoff:

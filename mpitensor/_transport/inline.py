@@ -124,6 +124,6 @@ def reduce_carried(comm: Any, out: np.ndarray, payload: bytes, plan: Any, rows: 
     combine = plan.combine
     first = np.frombuffer(rows, dtype, count, HEADER_BYTES)
     for offset in range(ROW_BYTES + HEADER_BYTES, len(rows), ROW_BYTES):
-        combine(first, np.frombuffer(rows, dtype, count, offset), out=target)
+        combine(first, np.frombuffer(rows, dtype, count, offset), target)
         first = target
     return []
