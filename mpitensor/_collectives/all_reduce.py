@@ -9,7 +9,7 @@ import numpy as np
 from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import reduce_plan
 from .._core.state import open_contexts
-from .._core.tensor import Tensor
+from .._core.tensor import Tensor, array_of
 from .._runtime.check import shared_record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group
@@ -97,8 +97,7 @@ def _take(input: Any, devices: DevicesArg) -> tuple[DistributedContext, Input, G
     if not ctx.usable:
         ctx.ensure_usable()
     kind = type(input)
-    # A Tensor's `_array` is read directly: a property would add a call to the smallest path.
-    array = input if kind is np.ndarray else input._array if kind is Tensor else None
+    array = input if kind is np.ndarray else array_of(input) if kind is Tensor else None
     if type(array) is np.ndarray and array.flags.c_contiguous and array.dtype in PLAIN_DTYPES:
         source = Input(input if kind is Tensor else None, array, array, False)
     else:

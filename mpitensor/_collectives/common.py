@@ -18,7 +18,7 @@ from .._core.errors import ContextClosedError, DeviceError
 from .._core.interop import take as take_foreign
 from .._core.protect import Protection, foreign, restorable
 from .._core.state import open_contexts
-from .._core.tensor import Tensor
+from .._core.tensor import Tensor, array_of
 from .._runtime.check import Record
 from .._runtime.context import DistributedContext
 from .._runtime.engine import COMPLETE, FAILED, Group, Op
@@ -290,9 +290,8 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
     """
     kind = type(value)
     if kind is Tensor or (kind is not np.ndarray and isinstance(value, Tensor)):
-        # Read directly, as all_reduce's small path does: every collective call comes
-        # here, and a property or accessor function would add a call to each.
-        tensor, array = value, value._array
+        # `array_of`, not the property: every collective call comes here.
+        tensor, array = value, array_of(value)
     elif kind is np.ndarray or isinstance(value, np.ndarray) or is_cupy_array(value):
         tensor, array = None, value
     else:

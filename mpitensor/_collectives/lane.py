@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from .._core.config import ReduceOperation
+from .._core.interop import take_quickly
 from .._core.state import open_contexts
-from .._core.tensor import Tensor, wrap_array
+from .._core.tensor import Tensor, array_of, wrap_array
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall
@@ -34,7 +35,7 @@ from .._transport.inline import carry, reduce_carried
 from .._transport.mpi import SMALL_BYTES, in_place
 from .._transport.reduction import needs_finish, reduction_finisher
 from .._transport.select import IN_CHECK, IN_PLACE
-from .common import CollectiveTensor
+from .common import CollectiveTensor, follow
 
 __all__ = ["LANES", "CheckLane", "CopyLane", "keep_lane", "start_reduction", "with_lane"]
 
@@ -50,8 +51,11 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
     A call takes its lane when it has no ``devices`` or options, its input is a
     C-contiguous NumPy array of at most `SMALL_BYTES` (alone or in a `Tensor`) of a kind
     that has a lane on the current context, and it is made from the context's owner thread
-    while the context is usable. Every other call, and the first of each kind, goes to `general`, which also
-    raises the errors of bad calls.
+    while the context is usable. A Python number, NumPy scalar or CPU torch tensor takes
+    the lane of the array `interop.take_quickly` gives for it (the general path reduces
+    that same array), and its result comes back in its own kind, as the general path gives
+    it. Every other call, and the first of each kind, goes to `general`, which also raises
+    the errors of bad calls.
 
     Args:
         general: `all_reduce` as the public API wraps it (`collective_entry`).
@@ -70,20 +74,18 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
     ) -> CollectiveTensor:
         if devices is None and open_contexts and not options and not more:
             kind = type(input)
-            array = input if kind is np.ndarray else input.array if kind is Tensor else None
+            back = None
+            if kind is np.ndarray:
+                array = input
+            elif kind is Tensor:
+                array = array_of(input)
+            else:  # a number or a CPU torch tensor: its array, and the result given back in its kind
+                array, back = take_quickly(input) or (None, None)
             # Every lane's input fits `SMALL_BYTES`: larger calls leave here, before the lookup.
             if type(array) is np.ndarray and array.nbytes <= SMALL_BYTES and array.flags.c_contiguous:
-                ctx = open_contexts[-1]
-                lanes = ctx.full_group.extra.get(LANES)
-                if lanes is not None and ctx.usable and ctx.owner_thread == get_ident():
-                    try:
-                        lane = lanes.get((array.dtype, array.shape, op))
-                    except TypeError:  # an unhashable op: the general path says what is wrong with it
-                        lane = None
-                    if lane is not None:
-                        handle = lane.start(input if kind is Tensor else None, array)
-                        if handle is not None:
-                            return handle
+                handle = _on_lane(input if kind is Tensor else None, array, op)
+                if handle is not None:
+                    return handle if back is None else follow(handle, back)
         if input is _UNSET:
             # No input: `general` raises inside the entry, which tells the peers that this
             # rank's call failed (as it does for arguments all_reduce does not take).
@@ -93,6 +95,19 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
         return general(input, op, devices, **options)
 
     return all_reduce
+
+
+def _on_lane(tensor: Tensor | None, array: np.ndarray, op: Any) -> CollectiveTensor | None:
+    """Start the call on its lane on the current context; None when it has none (or may not take it now)."""
+    ctx = open_contexts[-1]
+    lanes = ctx.full_group.extra.get(LANES)
+    if lanes is None or not ctx.usable or ctx.owner_thread != get_ident():
+        return None
+    try:
+        lane = lanes.get((array.dtype, array.shape, op))
+    except TypeError:  # an unhashable op: the general path says what is wrong with it
+        return None
+    return None if lane is None else lane.start(tensor, array)
 
 
 class _Lane:

@@ -39,6 +39,7 @@ __all__ = [
     "numpy_dtype",
     "structure_back",
     "take",
+    "take_quickly",
     "to_array",
     "type_name",
 ]
@@ -157,6 +158,32 @@ def take(value: Any, device: Device, what: str, argument: str = "input") -> Take
     if _is_jax(value):
         return _take_jax(value, device, what)
     return Taken(to_array(value, device, what, argument), None, False)
+
+
+def take_quickly(value: Any) -> tuple[np.ndarray, Back] | None:
+    """The array and converter back of a small input of a common foreign kind, or None.
+
+    For the lanes of repeated small calls (``_collectives/lane.py``): a Python number, a
+    NumPy scalar, or a torch tensor of exactly ``torch.Tensor``'s type on the CPU whose
+    memory NumPy can view (dense, no conjugate or negative bit, not requiring grad, of a
+    dtype NumPy has). The array and converter are those `take` gives such a value; the
+    array may be a view of the tensor's memory, which the lanes copy at the call. None for
+    every other value, which `take` handles with its checks and messages.
+    """
+    kind = type(value)
+    if kind is float or kind is int:
+        return np.asarray(value), _python_back
+    if kind.__module__ == "torch" and kind.__name__ == "Tensor":
+        if not value.is_cpu:
+            return None
+        try:
+            # numpy() refuses what a plain view cannot show (grad, layout, bits, dtype).
+            return value.numpy(), _torch_cpu_back
+        except (TypeError, RuntimeError):
+            return None
+    if isinstance(value, np.generic):
+        return np.asarray(value), _numpy_scalar_back
+    return None
 
 
 def to_array(value: Any, device: Device | None, what: str, argument: str = "input") -> Any:
@@ -304,13 +331,20 @@ def _numpy_scalar_back(result: Any) -> Any:
 
 def _torch_back(device: Any, dtype: Any, result: Any) -> Any:
     """`result` (a `Tensor`) as a torch tensor on `device`, sharing its memory."""
+    if result is None or device.type != "cuda":
+        return _torch_cpu_back(result)
+    import torch
+
+    return torch.from_dlpack(result.array)
+
+
+def _torch_cpu_back(result: Any) -> Any:
+    """`result` (a host `Tensor`) as a CPU torch tensor sharing its memory; None stays None."""
     if result is None:
         return None
     import torch
 
     array = result.array
-    if device.type == "cuda":
-        return torch.from_dlpack(array)
     if is_bfloat16(array.dtype):
         return _from_numpy(torch, array.view(np.int16)).view(torch.bfloat16)
     return _from_numpy(torch, array)

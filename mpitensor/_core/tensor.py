@@ -24,6 +24,7 @@ from .mpi import world_rank
 __all__ = [
     "Tensor",
     "arange",
+    "array_of",
     "as_tensor",
     "empty",
     "from_numpy",
@@ -421,6 +422,9 @@ def unwrap_leaves(values: list[Any], host: Device) -> tuple[list[Any], list[Devi
 
 _TENSOR_ONLY = {Tensor}
 _ARRAY_SLOT, _DEVICE_SLOT = operator.attrgetter("_array"), operator.attrgetter("_device")
+
+array_of: Callable[[Tensor], Any] = _ARRAY_SLOT
+"""``array_of(tensor)`` is ``tensor.array``, without a Python call (the smallest calls' paths read it)."""
 
 
 def _rebuild(array: np.ndarray, kind: str) -> Tensor:

@@ -124,7 +124,7 @@ def reduce_carried(comm: Any, out: np.ndarray, payload: bytes, plan: Any, rows: 
     combine = plan.combine
     # Every member's payload at once, a row each: one view costs less than one per row.
     payloads = np.ndarray((len(rows) // ROW_BYTES, count), dtype, rows, HEADER_BYTES, (ROW_BYTES, dtype.itemsize))
-    combine(payloads[0], payloads[1], target)
+    combine(payloads[0], payloads[1], out=target)
     for index in range(2, len(payloads)):
-        combine(target, payloads[index], target)
+        combine(target, payloads[index], out=target)
     return []

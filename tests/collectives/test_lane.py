@@ -157,3 +157,73 @@ def test_a_call_all_reduce_does_not_take_fails_on_every_rank(ctx, bad):
         with pytest.raises(mt.CollectiveMismatchError, match="failed on another rank"):
             mt.all_reduce(small).resolve()
     still_usable(ctx)
+
+
+class _Counted:
+    """A lane that counts the calls it starts (the lane itself does the work)."""
+
+    def __init__(self, lane: object) -> None:
+        self.lane = lane
+        self.calls = 0
+
+    def start(self, tensor: object, array: np.ndarray) -> object:
+        self.calls += 1
+        return self.lane.start(tensor, array)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_numbers_and_torch_tensors_take_the_lane_of_their_array(check):
+    """Python numbers, NumPy scalars and CPU torch tensors: NumPy's result, in the input's kind.
+
+    The first call of each takes the general path and keeps the lane of its array; the
+    next ones take that lane. A torch tensor written after the call does not change the
+    result (the lane copies it at the call, as the general path does).
+    """
+    torch = pytest.importorskip("torch")
+    kinds = {
+        "float": (lambda x: float(x[()]), np.float64, ()),
+        "int": (lambda x: int(x[()]), np.int64, ()),
+        "numpy scalar": (lambda x: x[()], np.float32, ()),
+        "torch": (torch.from_numpy, np.float32, (3,)),
+        "torch 2-d": (torch.from_numpy, np.int64, (2, 2)),
+    }
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)) as ctx:
+        for name, (make, dtype, shape) in kinds.items():
+            counted = None
+            for turn in range(3):
+                seed = seed_of("lane kinds", check, name, turn)
+                inputs = [rank_input(seed, r, shape, dtype) for r in range(ctx.size)]
+                expected = reference(OP.SUM, inputs)
+                value = make(inputs[ctx.rank].copy())
+                pending = mt.all_reduce(value)
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+                got = pending.resolve()
+                if isinstance(value, torch.Tensor):
+                    ok = type(got) is torch.Tensor and np.allclose(got.numpy(), expected, rtol=1e-6)
+                else:
+                    ok = type(got) is type(value) and np.allclose(got, expected, rtol=1e-6)
+                agree(bool(ok), f"{name}, call {turn}: {got!r} vs {expected!r}")
+                if turn == 0:  # the lane kept by the first call: count what the next ones start on it
+                    key = (np.dtype(dtype), shape, None)
+                    counted = _lanes(ctx)[key] = _Counted(_lanes(ctx)[key])
+            agree(counted is not None and counted.calls == 2, f"{name}: the later calls took the lane")
+        still_usable(ctx)
+
+
+def test_torch_tensors_the_lane_does_not_take_are_still_reduced(ctx):
+    """A tensor that requires grad, a non-contiguous one and a Parameter: the general path, same result."""
+    torch = pytest.importorskip("torch")
+    base = np.arange(6, dtype=np.float32).reshape(2, 3)
+    mt.all_reduce(base).resolve()  # a lane for (float32, (2, 3))
+    values = {
+        "requires grad": torch.tensor(base, requires_grad=True),
+        "non-contiguous": torch.from_numpy(base.T.copy()).t(),
+        "Parameter": torch.nn.Parameter(torch.from_numpy(base.copy())),
+    }
+    for name, value in values.items():
+        for _ in range(2):
+            got = mt.all_reduce(value).resolve()
+            ok = type(got) is torch.Tensor and np.array_equal(got.numpy(), base * ctx.size)
+            agree(bool(ok), f"{name}: {got!r}")
+    still_usable(ctx)
