@@ -33,7 +33,7 @@ from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall
 from .._transport.inline import carry, reduce_carried
 from .._transport.mpi import SMALL_BYTES, in_place
-from .._transport.reduction import needs_finish, reduction_finisher
+from .._transport.reduction import finish_reduction, reduction_finisher
 from .._transport.select import IN_CHECK, IN_PLACE
 from .common import CollectiveTensor, follow
 
@@ -128,11 +128,18 @@ class _Lane:
         self.plan = plan
         self.record = record
 
+    def _finish(self, result: np.ndarray) -> Callable[[], Any] | None:
+        """MEAN's division of `result` once it is reduced; None for every other op (nothing to finish)."""
+        if not self.plan.divide:
+            return None
+        return partial(finish_reduction, result, result, self.plan, self.group.size)
+
 
 class CopyLane(_Lane):
     """The lane of calls that MPI reduces in place on a plain copy of the input (`IN_PLACE`).
 
-    Its plan's work dtype is the input's, and it has no codec.
+    Its plan's work dtype is the input's, and it has no codec; MEAN divides the result
+    once MPI is done, as the general path's finish does.
     """
 
     __slots__ = ()
@@ -152,7 +159,8 @@ class CopyLane(_Lane):
             buffer = array.copy()
         except Exception:  # nothing is posted yet: the general path takes the call again and reports it
             return None
-        op = Op("all_reduce", group, array.nbytes, partial(in_place, group.comm, buffer, self.plan), None, self.record)
+        post = partial(in_place, group.comm, buffer, self.plan)
+        op = Op("all_reduce", group, array.nbytes, post, self._finish(buffer), self.record)
         ctx.engine.submit(op)
         return CollectiveTensor(op, wrap_array(buffer, ctx.cpu_device if tensor is None else tensor.device), ctx)
 
@@ -160,7 +168,8 @@ class CopyLane(_Lane):
 class CheckLane(_Lane):
     """The lane of calls whose input travels in their check (`IN_CHECK`).
 
-    Its plan has nothing to finish (no MEAN, no MAX/MIN keys), and it has a record.
+    Its plan has no MAX/MIN keys to decode (MEAN divides the result, as in `CopyLane`),
+    and it has a record.
     """
 
     __slots__ = ()
@@ -182,7 +191,7 @@ class CheckLane(_Lane):
         except Exception:  # nothing is posted yet: the general path takes the call again and reports it
             return None
         post = partial(reduce_carried, group.comm, out, payload, plan)
-        op = Op("all_reduce", group, array.nbytes, post, None, self.record, payload=payload)
+        op = Op("all_reduce", group, array.nbytes, post, self._finish(out), self.record, payload=payload)
         ctx.engine.submit(op)
         return CollectiveTensor(op, wrap_array(out, ctx.cpu_device if tensor is None else tensor.device), ctx)
 
@@ -201,9 +210,10 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
         return
     ctx = call.ctx
     group = call.group
-    if group is not ctx.full_group or needs_finish(call):
-        return
     plan = call.plan
+    # Of what a result may need once reduced (see `needs_finish`), a lane does MEAN's division only.
+    if group is not ctx.full_group or plan.codec is not None or call.final is not call.out:
+        return
     array = call.source.array
     if transport is IN_CHECK:
         lane: CopyLane | CheckLane = CheckLane(ctx, group, plan, record)

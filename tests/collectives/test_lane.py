@@ -52,15 +52,17 @@ def test_repeated_calls_match_numpy(check, op):
 
 
 def test_small_calls_keep_a_lane_and_large_ones_do_not():
-    """What keeps a lane: small inputs copied at the call, with nothing to finish afterwards."""
+    """What keeps a lane: small inputs copied at the call, with at most MEAN's division to finish."""
     with mt.DistributedContext.init(config=mt.DistributedConfig(check=False)) as ctx:
         for _ in range(2):
             mt.all_reduce(np.ones(3, np.float32)).resolve()
             mt.all_reduce(np.ones(3, np.float32), OP.MEAN).resolve()
+            mt.all_reduce(np.ones(3, np.float32), OP.MAX).resolve()
             mt.all_reduce(np.ones(100_000, np.float32)).resolve()
         lanes = _lanes(ctx)
         assert type(lanes.get((np.dtype(np.float32), (3,), None))) is CopyLane
-        assert (np.dtype(np.float32), (3,), OP.MEAN) not in lanes, "MEAN divides its result: no lane"
+        assert type(lanes.get((np.dtype(np.float32), (3,), OP.MEAN))) is CopyLane, "MEAN divides once reduced"
+        assert (np.dtype(np.float32), (3,), OP.MAX) not in lanes, "MPI reduces float MAX in keys: no lane"
         assert (np.dtype(np.float32), (100_000,), None) not in lanes, "large inputs are protected, not copied"
     with mt.DistributedContext.init() as ctx:
         mt.all_reduce(np.ones(3, np.float32)).resolve()
