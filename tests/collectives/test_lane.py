@@ -229,3 +229,22 @@ def test_torch_tensors_the_lane_does_not_take_are_still_reduced(ctx):
             ok = type(got) is torch.Tensor and np.array_equal(got.numpy(), base * ctx.size)
             agree(bool(ok), f"{name}: {got!r}")
     still_usable(ctx)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", [False, True])
+def test_ranks_giving_different_kinds_of_the_same_array_meet(check):
+    """One rank a torch tensor, the next a NumPy array, the next a Tensor: lanes and the general path meet."""
+    torch = pytest.importorskip("torch")
+    makers = [torch.from_numpy, lambda x: x, mt.from_numpy]
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)) as ctx:
+        make = makers[ctx.rank % len(makers)]
+        for op in (OP.SUM, OP.MEAN):
+            for turn in range(3):
+                inputs = [rank_input(seed_of("mixed kinds", check, op.name, turn), r, (2, 3), np.float32)
+                          for r in range(ctx.size)]
+                got = mt.all_reduce(make(inputs[ctx.rank].copy()), op).resolve()
+                got = got.numpy() if hasattr(got, "numpy") else got
+                expected = reference(op, inputs)
+                agree(bool(np.allclose(got, expected, rtol=1e-6)), f"{op.name}, call {turn}: {got} vs {expected}")
+        still_usable(ctx)
