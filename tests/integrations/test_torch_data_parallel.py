@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 import datetime
-import socket
 import threading
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -235,13 +235,21 @@ def test_bad_arguments_are_clear_errors(ctx):
         DataParallel(sparse)
 
 
-def _free_port(ctx: mt.DistributedContext) -> int:
+def _gloo_store(dist: Any, ctx: mt.DistributedContext, timeout: datetime.timedelta) -> Any:
+    """gloo's rendezvous store: rank 0 serves it on a port the kernel picks, and MPI tells the others.
+
+    The kernel picks the port as the server binds it, so no other process can take it in
+    between (as it could with a port found free first and bound later).
+    """
+    store = None
     port = 0
     if ctx.rank == 0:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    return int(mt.broadcast(np.array([port]), root=0).resolve().item())
+        store = dist.TCPStore("127.0.0.1", 0, ctx.size, True, timeout=timeout, wait_for_workers=False)
+        port = store.port
+    port = int(mt.broadcast(np.array([port]), root=0).resolve().item())
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, ctx.size, False, timeout=timeout)
+    return store
 
 
 def _leave_gloo(dist: object, bound: float = 60.0) -> None:
@@ -267,8 +275,9 @@ def _leave_gloo(dist: object, bound: float = 60.0) -> None:
 def test_same_gradients_as_torch_ddp_on_gloo(ctx):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port(ctx)}", rank=ctx.rank,
-                            world_size=ctx.size, timeout=datetime.timedelta(seconds=60))
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", store=_gloo_store(dist, ctx, timeout), rank=ctx.rank, world_size=ctx.size,
+                            timeout=timeout)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(Net(seed=ctx.rank), bucket_cap_mb=0.001)
         ours = DataParallel(copy.deepcopy(ddp.module), bucket_bytes=1024)
