@@ -80,7 +80,7 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
             elif kind is Tensor:
                 array = array_of(input)
             else:  # a number or a CPU torch tensor: its array, and the result given back in its kind
-                array, back = take_quickly(input) or (None, None)
+                array, back = take_quickly(input, SMALL_BYTES) or (None, None)
             # Every lane's input fits `SMALL_BYTES`: larger calls leave here, before the lookup.
             if type(array) is np.ndarray and array.nbytes <= SMALL_BYTES and array.flags.c_contiguous:
                 handle = _on_lane(input if kind is Tensor else None, array, op)

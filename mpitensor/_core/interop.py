@@ -160,21 +160,23 @@ def take(value: Any, device: Device, what: str, argument: str = "input") -> Take
     return Taken(to_array(value, device, what, argument), None, False)
 
 
-def take_quickly(value: Any) -> tuple[np.ndarray, Back] | None:
+def take_quickly(value: Any, max_bytes: int) -> tuple[np.ndarray, Back] | None:
     """The array and converter back of a small input of a common foreign kind, or None.
 
     For the lanes of repeated small calls (``_collectives/lane.py``): a Python number, a
-    NumPy scalar, or a torch tensor of exactly ``torch.Tensor``'s type on the CPU whose
-    memory NumPy can view (dense, no conjugate or negative bit, not requiring grad, of a
-    dtype NumPy has). The array and converter are those `take` gives such a value; the
-    array may be a view of the tensor's memory, which the lanes copy at the call. None for
-    every other value, which `take` handles with its checks and messages.
+    NumPy scalar, or a torch tensor of exactly ``torch.Tensor``'s type on the CPU, of at
+    most `max_bytes`, whose memory NumPy can view (dense, no conjugate or negative bit, not
+    requiring grad, of a dtype NumPy has). The array and converter are those `take` gives
+    such a value; the array may be a view of the tensor's memory, which the lanes copy at
+    the call. None for every other value, which `take` handles with its checks and messages
+    (a larger torch tensor is not even viewed: `take` sends it through a lazy clone, which
+    a mutable access such as ``numpy()`` would make torch copy).
     """
     kind = type(value)
     if kind is float or kind is int:
         return np.asarray(value), _python_back
     if kind.__module__ == "torch" and kind.__name__ == "Tensor":
-        if not value.is_cpu:
+        if not value.is_cpu or value.nbytes > max_bytes:
             return None
         try:
             # numpy() refuses what a plain view cannot show (grad, layout, bits, dtype).
