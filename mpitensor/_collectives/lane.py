@@ -1,13 +1,14 @@
-"""The lane of repeated small all-reduces: what a call of one kind needs, kept after its first.
+"""The lane of repeated all-reduces: what a call of one kind needs, kept after its first.
 
 Most all-reduce calls of a program repeat: the same dtype, shape and op on the same
 context, with no options (a loss, a metric, a step counter). The first call of a kind takes
 the general path (`all_reduce.all_reduce`), which checks the input, plans the reduction,
-picks a transport and builds the check's record. Where that transport copies the input at
-once (MPI in place on a copy, or the copy carried in the check) and the result needs no
-finishing, the call keeps them in a lane. Later calls of that kind find the lane and only
-copy the input, start the op and wrap the result: at 8 bytes the general path's planning is
-most of a call's cost.
+picks a transport and builds the check's record. Where that transport is MPI's (in place on
+a copy, or from the protected input into a pooled buffer) or the check itself (the copy
+carried in it), the input is at most `LANE_BYTES`, and the result needs no finishing but
+MEAN's division, the call keeps them in a lane. Later calls of that kind find the lane and
+only copy (or protect) the input, start the op and wrap the result: at 8 bytes the general
+path's planning is most of a call's cost.
 
 Each choice a lane keeps depends only on its key and its context: the transports'
 ``applies`` read the input's size, the plan, the group's size and the configuration. A lane
@@ -32,24 +33,27 @@ from .._runtime.context import DevicesArg
 from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall
 from .._transport.inline import carry, reduce_carried
-from .._transport.mpi import SMALL_BYTES, in_place
-from .._transport.reduction import finish_reduction, reduction_finisher
-from .._transport.select import IN_CHECK, IN_PLACE
-from .common import CollectiveTensor, follow
+from .._transport.mpi import SMALL_BYTES, in_place, out_of_place
+from .._transport.reduction import finish_reduction, reduction_finisher, reduction_input
+from .._transport.select import IN_CHECK, IN_PLACE, PLAIN
+from .common import CollectiveTensor, Input, follow
 
-__all__ = ["LANES", "CheckLane", "CopyLane", "keep_lane", "start_reduction", "with_lane"]
+__all__ = ["LANES", "LANE_BYTES", "CheckLane", "CopyLane", "PlainLane", "keep_lane", "start_reduction", "with_lane"]
 
 # Where lanes are kept: in the extra caches of the context's full group.
 LANES = "all_reduce lanes"
 _UNSET: Any = object()  # no input given: the general path says so
 _MAX_LANES = 256  # kinds of call remembered per context; beyond, the lanes start over
+# The largest input a lane takes. Beyond, the general path's planning (10-12 us) is a few
+# percent of the call; and from 512 KiB node peers usually reduce through shared memory.
+LANE_BYTES = 1 << 20
 
 
 def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., CollectiveTensor]:
-    """`general` (the public `all_reduce`), with repeated small calls taking their lane first.
+    """`general` (the public `all_reduce`), with repeated calls taking their lane first.
 
     A call takes its lane when it has no ``devices`` or options, its input is a
-    C-contiguous NumPy array of at most `SMALL_BYTES` (alone or in a `Tensor`) of a kind
+    C-contiguous NumPy array of at most `LANE_BYTES` (alone or in a `Tensor`) of a kind
     that has a lane on the current context, and it is made from the context's owner thread
     while the context is usable. A Python number, NumPy scalar or CPU torch tensor takes
     the lane of the array `interop.take_quickly` gives for it (the general path reduces
@@ -81,8 +85,8 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
                 array = array_of(input)
             else:  # a number or a CPU torch tensor: its array, and the result given back in its kind
                 array, back = take_quickly(input, SMALL_BYTES) or (None, None)
-            # Every lane's input fits `SMALL_BYTES`: larger calls leave here, before the lookup.
-            if type(array) is np.ndarray and array.nbytes <= SMALL_BYTES and array.flags.c_contiguous:
+            # Every lane's input fits `LANE_BYTES`: larger calls leave here, before the lookup.
+            if type(array) is np.ndarray and array.nbytes <= LANE_BYTES and array.flags.c_contiguous:
                 handle = _on_lane(input if kind is Tensor else None, array, op)
                 if handle is not None:
                     return handle if back is None else follow(handle, back)
@@ -196,6 +200,39 @@ class CheckLane(_Lane):
         return CollectiveTensor(op, wrap_array(out, ctx.cpu_device if tensor is None else tensor.device), ctx)
 
 
+class PlainLane(_Lane):
+    """The lane of calls MPI reduces from the protected input into a pooled buffer (`PLAIN`).
+
+    Inputs larger than `SMALL_BYTES` that node peers do not reduce through shared memory.
+    Its plan's work dtype is the input's, and it has no codec.
+    """
+
+    __slots__ = ()
+
+    def start(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
+        """Start the all-reduce of `array` (the data of `tensor`, if one was given).
+
+        What `PLAIN`'s ``prepare`` and ``start`` do, without a call object: the input is
+        write-protected until MPI is done with it (or copied, where it cannot be), as on
+        the general path.
+
+        Returns:
+            The handle; None if the result buffer could not be had (as `CopyLane.start`).
+        """
+        ctx = self.ctx
+        group = self.group
+        plan = self.plan
+        try:
+            out = ctx.pool.empty(array.shape, plan.work_dtype)
+        except Exception:  # nothing is posted yet: the general path takes the call again and reports it
+            return None
+        send, protections = reduction_input(ctx, Input(tensor, array, array, False), plan)
+        post = partial(out_of_place, group.comm, send, out, plan)
+        op = Op("all_reduce", group, array.nbytes, post, self._finish(out), self.record, (), protections)
+        ctx.engine.submit(op)
+        return CollectiveTensor(op, wrap_array(out, ctx.cpu_device if tensor is None else tensor.device), ctx)
+
+
 def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
     """Keep a lane for the calls of `call`'s kind, if they may take one.
 
@@ -206,8 +243,8 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
         record: the call's shared record, or None.
     """
     transport = call.transport
-    if transport is not IN_PLACE and transport is not IN_CHECK:  # larger calls: the usual case here
-        return
+    if transport is not IN_PLACE and transport is not IN_CHECK and (transport is not PLAIN or call.nbytes > LANE_BYTES):
+        return  # larger calls, the usual case here
     ctx = call.ctx
     group = call.group
     plan = call.plan
@@ -216,11 +253,13 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
         return
     array = call.source.array
     if transport is IN_CHECK:
-        lane: CopyLane | CheckLane = CheckLane(ctx, group, plan, record)
-    elif plan.codec is None and plan.work_dtype == array.dtype:
+        lane: _Lane = CheckLane(ctx, group, plan, record)
+    elif plan.work_dtype != array.dtype:
+        return
+    elif transport is IN_PLACE:
         lane = CopyLane(ctx, group, plan, record)
     else:
-        return
+        lane = PlainLane(ctx, group, plan, record)
     lanes = group.extra.get(LANES)
     if lanes is None or len(lanes) >= _MAX_LANES:
         lanes = group.extra[LANES] = {}

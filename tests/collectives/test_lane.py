@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._collectives.lane import LANES, CheckLane, CopyLane
+from mpitensor._collectives.lane import LANE_BYTES, LANES, CheckLane, CopyLane, PlainLane
 from mpitensor._transport.mpi import SMALL_BYTES
 from tests.helpers import OP, agree, rank_input, reference, rejects, seed_of, still_usable, tolerance
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
 DTYPES = [np.bool_, np.int8, np.int64, np.uint32, np.float16, np.float32, np.float64, np.complex128]
-SHAPES = [(), (0,), (3,), (2, 5), (1000,), (SMALL_BYTES // 8 + 1,)]  # the last: small in 4 bytes, not in 8
+# (SMALL_BYTES // 8 + 1,): small in 4 bytes, not in 8; (40_000,): beyond the small size (protected, not
+# copied) and below the shared-memory path's, in up to 8 bytes.
+SHAPES = [(), (0,), (3,), (2, 5), (1000,), (SMALL_BYTES // 8 + 1,), (40_000,)]
 
 
 def _lanes(ctx: mt.DistributedContext) -> dict:
@@ -58,12 +60,16 @@ def test_small_calls_keep_a_lane_and_large_ones_do_not():
             mt.all_reduce(np.ones(3, np.float32)).resolve()
             mt.all_reduce(np.ones(3, np.float32), OP.MEAN).resolve()
             mt.all_reduce(np.ones(3, np.float32), OP.MAX).resolve()
-            mt.all_reduce(np.ones(100_000, np.float32)).resolve()
+            mt.all_reduce(np.ones(40_000, np.float32)).resolve()
+            mt.all_reduce(np.ones(LANE_BYTES // 4 + 1, np.float32)).resolve()
         lanes = _lanes(ctx)
         assert type(lanes.get((np.dtype(np.float32), (3,), None))) is CopyLane
         assert type(lanes.get((np.dtype(np.float32), (3,), OP.MEAN))) is CopyLane, "MEAN divides once reduced"
         assert (np.dtype(np.float32), (3,), OP.MAX) not in lanes, "MPI reduces float MAX in keys: no lane"
-        assert (np.dtype(np.float32), (100_000,), None) not in lanes, "large inputs are protected, not copied"
+        medium = lanes.get((np.dtype(np.float32), (40_000,), None))
+        # Shared memory takes it on a node holding two of the ranks (MPITENSOR_SHM_NODE_SIZE may split them).
+        assert type(medium) is PlainLane or (medium is None and ctx.size > 1), "protected, not copied"
+        assert (np.dtype(np.float32), (LANE_BYTES // 4 + 1,), None) not in lanes, "beyond LANE_BYTES: no lane"
     with mt.DistributedContext.init() as ctx:
         mt.all_reduce(np.ones(3, np.float32)).resolve()
         lane = _lanes(ctx).get((np.dtype(np.float32), (3,), None))
@@ -247,4 +253,27 @@ def test_ranks_giving_different_kinds_of_the_same_array_meet(check):
                 got = got.numpy() if hasattr(got, "numpy") else got
                 expected = reference(op, inputs)
                 agree(bool(np.allclose(got, expected, rtol=1e-6)), f"{op.name}, call {turn}: {got} vs {expected}")
+        still_usable(ctx)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_a_protected_input_on_its_lane_is_protected_until_resolved(check):
+    """Beyond the small size the lane protects the input, as the general path does: writes raise in flight."""
+    config = mt.DistributedConfig(check=check, shared_memory=False)
+    with mt.DistributedContext.init(config=config) as ctx:
+        for turn in range(3):
+            for given in ("array", "Tensor"):
+                inputs = [rank_input(seed_of("protected lane", check, turn, given), r, (40_000,), np.float64)
+                          for r in range(ctx.size)]
+                mine = inputs[ctx.rank].copy()
+                value = mine if given == "array" else mt.from_numpy(mine)
+                pending = mt.all_reduce(value)
+                # A Tensor says it is in flight; a bare array is read-only meanwhile.
+                refused = mt.TensorInFlightError if given == "Tensor" else ValueError
+                with pytest.raises(refused, match=r"in flight|read-only"):
+                    value[0] = 1.0
+                got = pending.resolve().numpy()
+                value[0] = got[0]  # writable again once resolved
+                agree(bool(np.allclose(got, reference(OP.SUM, inputs), rtol=1e-12)), f"{given}, call {turn}")
+        assert type(_lanes(ctx).get((np.dtype(np.float64), (40_000,), None))) is PlainLane
         still_usable(ctx)

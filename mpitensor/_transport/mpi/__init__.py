@@ -26,6 +26,7 @@ from .all_reduce import (
     all_reduce_buckets,
     all_reduce_buffers,
     in_place,
+    out_of_place,
 )
 from .p2p import recv, send
 from .rooted import broadcast, broadcast_each, gather, gatherv, reduce, scatter, scatterv
@@ -46,6 +47,6 @@ from .symmetric import (
 __all__ = [
     "SMALL_BYTES", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather", "all_gather_each", "all_gatherv",
     "all_reduce_buckets", "all_reduce_buffers", "all_to_all", "all_to_allv", "barrier", "broadcast",
-    "broadcast_each", "exscan", "gather", "gatherv", "in_place", "recv", "reduce", "reduce_scatter",
+    "broadcast_each", "exscan", "gather", "gatherv", "in_place", "out_of_place", "recv", "reduce", "reduce_scatter",
     "reduce_scatter_block", "reduce_scatter_block_each", "scan", "scatter", "scatterv", "send",
 ]

@@ -18,7 +18,7 @@ from ..reduction import reduction_buffers, reduction_input
 
 __all__ = [
     "SMALL_BYTES", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_reduce_buckets", "all_reduce_buffers", "in_place",
-    "is_small",
+    "is_small", "out_of_place",
 ]
 
 # Up to this size a copy of the input costs less than write-protecting it in flight (and
@@ -31,6 +31,12 @@ SMALL_BYTES = 64 << 10
 def in_place(comm: Any, buffer: np.ndarray, plan: Any) -> list[Any]:
     """Post ``MPI_Iallreduce(MPI_IN_PLACE, ...)`` of `buffer` on `comm` with `plan`'s datatype and op."""
     return [comm.Iallreduce(MPI.IN_PLACE, [buffer, plan.datatype], plan.mpi_op)]
+
+
+def out_of_place(comm: Any, send: np.ndarray, out: np.ndarray, plan: Any) -> list[Any]:
+    """Post ``MPI_Iallreduce`` from `send` into `out` on `comm` with `plan`'s datatype and op."""
+    datatype = plan.datatype
+    return [comm.Iallreduce([send, datatype], [out, datatype], plan.mpi_op)]
 
 
 def is_small(call: ReduceCall) -> bool:
@@ -84,8 +90,7 @@ class Plain:
 
     def start(self, call: ReduceCall) -> list[Any]:
         """Post the all-reduce."""
-        datatype = call.plan.datatype
-        return [call.group.comm.Iallreduce([call.send, datatype], [call.out, datatype], call.plan.mpi_op)]
+        return out_of_place(call.group.comm, call.send, call.out, call.plan)
 
 
 class OnCopy:
