@@ -217,16 +217,18 @@ class PlainLane(_Lane):
         the general path.
 
         Returns:
-            The handle; None if the result buffer could not be had (as `CopyLane.start`).
+            The handle; None if the result buffer or the input's copy could not be had (as
+            `CopyLane.start`).
         """
         ctx = self.ctx
         group = self.group
         plan = self.plan
         try:
             out = ctx.pool.empty(array.shape, plan.work_dtype)
+            # Last: once it returns, the input is protected (or copied), and nothing below fails.
+            send, protections = reduction_input(ctx, Input(tensor, array, array, False), plan)
         except Exception:  # nothing is posted yet: the general path takes the call again and reports it
             return None
-        send, protections = reduction_input(ctx, Input(tensor, array, array, False), plan)
         post = partial(out_of_place, group.comm, send, out, plan)
         op = Op("all_reduce", group, array.nbytes, post, self._finish(out), self.record, (), protections)
         ctx.engine.submit(op)
