@@ -252,7 +252,7 @@ def _gloo_store(dist: Any, ctx: mt.DistributedContext, timeout: datetime.timedel
     return store
 
 
-def _leave_gloo(dist: object, bound: float = 60.0) -> None:
+def _leave_gloo(dist: Any, bound: float = 60.0) -> None:
     """``dist.destroy_process_group()``, waited for at most `bound` seconds.
 
     gloo's teardown has no timeout of its own, and it has been seen to hang once every
