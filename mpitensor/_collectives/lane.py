@@ -34,7 +34,7 @@ from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall
 from .._transport.inline import carry, reduce_carried
 from .._transport.mpi import SMALL_BYTES, in_place, out_of_place
-from .._transport.reduction import finish_reduction, reduction_finisher, reduction_input
+from .._transport.reduction import finish_reduction, needs_decoding, reduction_finisher, reduction_input
 from .._transport.select import IN_CHECK, IN_PLACE, PLAIN
 from .common import CollectiveTensor, Input, follow
 
@@ -250,8 +250,8 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
     ctx = call.ctx
     group = call.group
     plan = call.plan
-    # Of what a result may need once reduced (see `needs_finish`), a lane does MEAN's division only.
-    if group is not ctx.full_group or plan.codec is not None or call.final is not call.out:
+    # Of what a result may need once reduced, a lane does MEAN's division only.
+    if group is not ctx.full_group or needs_decoding(call):
         return
     array = call.source.array
     if transport is IN_CHECK:

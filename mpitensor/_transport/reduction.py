@@ -8,7 +8,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["finish_reduction", "needs_finish", "reduction_buffers", "reduction_finisher", "reduction_input"]
+__all__ = [
+    "finish_reduction", "needs_decoding", "needs_finish", "reduction_buffers", "reduction_finisher", "reduction_input",
+]
 
 
 def reduction_input(ctx: Any, source: Any, plan: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -93,8 +95,12 @@ def needs_finish(call: Any) -> bool:
 
     True for MEAN's division, MAX/MIN keys to decode and half precision to round back.
     """
-    plan = call.plan
-    return plan.divide or call.final is not call.out or plan.codec is not None
+    return call.plan.divide or needs_decoding(call)
+
+
+def needs_decoding(call: Any) -> bool:
+    """Whether a `ReduceCall`'s result needs more than MEAN's division: MAX/MIN keys or half precision."""
+    return call.final is not call.out or call.plan.codec is not None
 
 
 def _finish_call(call: Any) -> None:
