@@ -39,7 +39,7 @@ info: venv
 	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python -m mpitensor info
 
 clean:
-	rm -rf .venv .venv-openmpi .venv-mpich logs build *.egg-info
+	rm -rf .venv .venv-openmpi .venv-mpich logs build *.egg-info mpitensor/_collectives/native/*.so
 
 # Targets of the cluster tests (Slurm, several hosts) and the benchmark live beside this file.
 -include mk/*.mk

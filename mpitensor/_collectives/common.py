@@ -24,7 +24,10 @@ from .._runtime.context import DistributedContext
 from .._runtime.engine import COMPLETE, FAILED, Group, Op
 from .._transport.reduction import finish_reduction, reduction_buffers, reduction_input
 
-__all__ = ["PLAIN_DTYPES", "CollectiveTensor", "Convert", "Input", "Later", "follow", "take_input", "timeout_arg"]
+__all__ = [
+    "HANDLE_FIELDS", "PLAIN_DTYPES", "CollectiveTensor", "Convert", "Input", "Later", "follow", "take_input",
+    "timeout_arg",
+]
 
 
 class CollectiveTensor:
@@ -36,6 +39,10 @@ class CollectiveTensor:
     """
 
     __slots__ = ("_ctx", "_op", "_resolved", "_value")
+
+    # Whether `resolve()` is this class's (or does what it does with a `Later` value), so that
+    # `follow` may hang a converter on the handle itself; False for handles that wrap others.
+    settles_later = True
 
     def __init__(self, op: Op, value: Any, ctx: DistributedContext) -> None:
         self._op = op
@@ -131,6 +138,11 @@ class CollectiveTensor:
         return f"CollectiveTensor({self._op.describe()}, {self._op.state_name})"
 
 
+# A handle's slots (op, value, context, resolved), for the compiled lane, which builds the
+# handles of the calls it starts and resolves them.
+HANDLE_FIELDS = (CollectiveTensor._op, CollectiveTensor._value, CollectiveTensor._ctx, CollectiveTensor._resolved)
+
+
 def timeout_arg(timeout: float | None, ctx: DistributedContext) -> float | None:
     """The timeout to wait with: `timeout`, else the context's.
 
@@ -189,7 +201,7 @@ def follow(handle: CollectiveTensor, back: Any) -> CollectiveTensor:
     """`handle`, made to give its result back through `back` (a converter; None: as it is)."""
     if back is None:
         return handle
-    if type(handle) is not CollectiveTensor:  # a handle with a resolve() of its own (GPU staging)
+    if not type(handle).settles_later:  # a handle with a resolve() of its own (GPU staging)
         return _Converted(handle, back)
     # The class is this module's own: its slot is set here, once per foreign input.
     handle._value = Convert(handle._value, back)
@@ -200,6 +212,7 @@ class _Converted(CollectiveTensor):
     """A handle giving another handle's result back in another library's kind."""
 
     __slots__ = ("_back", "_inner", "_out")
+    settles_later = False
 
     def __init__(self, inner: CollectiveTensor, back: Any) -> None:
         super().__init__(inner._op, None, inner._ctx)

@@ -145,6 +145,7 @@ class StagedCollective(CollectiveTensor):
     """
 
     __slots__ = ("_call", "_converted", "_device", "_inner", "_on_gpu")
+    settles_later = False
 
     def __init__(
         self,

@@ -37,6 +37,7 @@ from .._transport.mpi import SMALL_BYTES, in_place, out_of_place
 from .._transport.reduction import finish_reduction, needs_decoding, reduction_finisher, reduction_input
 from .._transport.select import IN_CHECK, IN_PLACE, PLAIN
 from .common import CollectiveTensor, Input, follow
+from .native import compiled_lane, front
 
 __all__ = ["LANES", "LANE_BYTES", "CheckLane", "CopyLane", "PlainLane", "keep_lane", "start_reduction", "with_lane"]
 
@@ -63,6 +64,9 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
 
     Args:
         general: `all_reduce` as the public API wraps it (`collective_entry`).
+
+    Where the compiled lane is built, the returned function sits behind its entry
+    (`native.front`), which starts calls on their compiled lanes before any of this.
 
     Returns:
         The public `all_reduce`.
@@ -98,7 +102,7 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
             return general(input, op, devices, *more, **options)
         return general(input, op, devices, **options)
 
-    return all_reduce
+    return front(all_reduce)
 
 
 def _on_lane(tensor: Tensor | None, array: np.ndarray, op: Any) -> CollectiveTensor | None:
@@ -122,15 +126,41 @@ class _Lane:
         group: the context's full group.
         plan: the `ReducePlan`.
         record: the check's shared record, or None when the context does not check.
+
+    Attributes:
+        compiled: the compiled lane of the same kind (`native.compiled_lane`), which calls
+            try first, or None.
     """
 
-    __slots__ = ("ctx", "group", "plan", "record")
+    __slots__ = ("compiled", "ctx", "group", "plan", "record")
 
     def __init__(self, ctx: Any, group: Group, plan: Any, record: Any) -> None:
         self.ctx = ctx
         self.group = group
         self.plan = plan
         self.record = record
+        self.compiled: Any = None
+
+    def start(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
+        """Start the all-reduce of `array` (the data of `tensor`, if one was given).
+
+        On the compiled lane where there is one and it takes the call, else in Python
+        (`start_here`).
+
+        Returns:
+            The handle; None if the input could not be copied or protected (the general path
+            then takes the call again, and reports the failure to the peers as it does).
+        """
+        compiled = self.compiled
+        if compiled is not None:
+            handle = compiled.start(tensor, array)
+            if handle is not None:
+                return handle
+        return self.start_here(tensor, array)
+
+    def start_here(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
+        """`start` in Python: what the lane's transport's ``prepare`` and ``start`` do, without a call object."""
+        raise NotImplementedError
 
     def _finish(self, result: np.ndarray) -> Callable[[], Any] | None:
         """MEAN's division of `result` once it is reduced; None for every other op (nothing to finish)."""
@@ -148,7 +178,7 @@ class CopyLane(_Lane):
 
     __slots__ = ()
 
-    def start(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
+    def start_here(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
         """Start the all-reduce of `array` (the data of `tensor`, if one was given).
 
         What `IN_PLACE`'s ``prepare`` and ``start`` do for such a plan, without a call object.
@@ -178,7 +208,7 @@ class CheckLane(_Lane):
 
     __slots__ = ()
 
-    def start(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
+    def start_here(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
         """Start the all-reduce of `array` (the data of `tensor`, if one was given).
 
         What `IN_CHECK`'s ``prepare`` and ``start`` do, without a call object.
@@ -209,7 +239,7 @@ class PlainLane(_Lane):
 
     __slots__ = ()
 
-    def start(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
+    def start_here(self, tensor: Tensor | None, array: np.ndarray) -> CollectiveTensor | None:
         """Start the all-reduce of `array` (the data of `tensor`, if one was given).
 
         What `PLAIN`'s ``prepare`` and ``start`` do, without a call object: the input is
@@ -256,10 +286,12 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
     array = call.source.array
     if transport is IN_CHECK:
         lane: _Lane = CheckLane(ctx, group, plan, record)
+        lane.compiled = compiled_lane(lane, array, op, checked=True)
     elif plan.work_dtype != array.dtype:
         return
     elif transport is IN_PLACE:
         lane = CopyLane(ctx, group, plan, record)
+        lane.compiled = compiled_lane(lane, array, op, checked=False)
     else:
         lane = PlainLane(ctx, group, plan, record)
     lanes = group.extra.get(LANES)

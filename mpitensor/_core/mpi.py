@@ -11,6 +11,7 @@ the bundled pytest plugin calls it). A program that initialized MPI itself keeps
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import sys
@@ -38,6 +39,7 @@ __all__ = [
     "is_owner",
     "library_version",
     "note_broken",
+    "pointer_handles",
     "release",
     "thread_level",
     "thread_level_name",
@@ -218,3 +220,17 @@ def vendor() -> tuple[str, str]:
 def library_version() -> str:
     """The first line of ``MPI_Get_library_version``."""
     return MPI.Get_library_version().strip().splitlines()[0]
+
+
+def pointer_handles() -> bool | None:
+    """Whether MPI's handles are pointers (Open MPI, the MPI 5 ABI), ints (MPICH and kin), or neither (None).
+
+    Compiled code that calls MPI without its headers (`_collectives/native`) casts handles
+    to one of those two; communicators, datatypes, ops and requests must all be of that size.
+    """
+    sizes = {MPI._sizeof(kind) for kind in (MPI.Comm, MPI.Datatype, MPI.Op, MPI.Request)}
+    if sizes == {ctypes.sizeof(ctypes.c_void_p)}:
+        return True
+    if sizes == {ctypes.sizeof(ctypes.c_int)}:
+        return False
+    return None

@@ -22,6 +22,7 @@ from .interop import numpy_dtype, to_array
 from .mpi import world_rank
 
 __all__ = [
+    "TENSOR_FIELDS",
     "Tensor",
     "arange",
     "array_of",
@@ -355,6 +356,9 @@ def _check_writable(tensor: Tensor) -> None:
 
 
 _new_tensor = object.__new__
+# A tensor's slots (array, device), for the compiled lane, which builds result tensors as
+# `wrap_array` does and reads the array of a tensor given to it.
+TENSOR_FIELDS = (Tensor._array, Tensor._device)
 
 
 def wrap_array(array: Any, device: Device) -> Tensor:

@@ -46,7 +46,7 @@ from .check import (
 if TYPE_CHECKING:
     from .._core.protect import Protection
 
-__all__ = ["Engine", "Group", "Op", "Owner", "Stepper", "Waker"]
+__all__ = ["AGREE_STAGE", "REAP_AFTER", "STATES", "Engine", "Group", "Op", "Owner", "Stepper", "Waker"]
 
 # Op states, in the order an op moves through them.
 CHECKING = 0  # the consistency check (or metadata exchange) is in flight
@@ -56,14 +56,17 @@ COMPLETE = 3  # MPI is done; the result is final
 FAILED = 4  # the check found a mismatch; nothing was sent
 
 _STATE_NAMES = ("checking", "queued", "posted", "complete", "failed")
+STATES = (CHECKING, QUEUED, POSTED, COMPLETE, FAILED)  # for the compiled lane, which builds and reads ops
 
 # Stages of a check: the agreement exchange on the check communicator; then, on the
 # detail communicator and only when needed, the per-rank values (all_gatherv's lengths,
 # or all_to_all's swapped counts),
 # or the sizes and then the bytes of every rank's full record (a mismatch).
 _AGREE, _PER_RANK, _DETAIL_SIZES, _DETAIL = 1, 2, 3, 4
+AGREE_STAGE = _AGREE  # the stage of a check just posted (the compiled lane posts some)
 
 _REAP_AFTER = 64  # posted ops beyond which each new one reaps the oldest completed ones
+REAP_AFTER = _REAP_AFTER  # the compiled lane leaves calls to the Python path from there
 _MAX_POSTED = 256  # posted ops beyond which a new one waits for the oldest
 # A gathered check row: the agreement hash and the per-rank value, then the payload.
 _HEADER = struct.Struct("=qq")
@@ -330,6 +333,34 @@ class Engine:
             if len(self.posted) > _MAX_POSTED:
                 self._hold_back()
             return
+        self._await_check(op, grace, spun)
+
+    def queue_checked(self, op: Op, spun: bool) -> None:
+        """Take an op whose check this rank posted outside `submit`, and go on as `submit` does.
+
+        The compiled lane posts the check of a small checked all-reduce itself, as
+        `_post_check` does (the op in state CHECKING, with its ``seq``, ``check_send``,
+        ``check_recv``, ``check_req`` and ``check_stage``), on an idle group, and spins on
+        it; when the rows did not all agree within that spin, the op comes here: it is
+        queued, and the call waits for its check within the grace, as any other.
+
+        Args:
+            op: the op, its check posted.
+            spun: whether the call has spun on the check already.
+
+        Raises:
+            CollectiveMismatchError: the check completed within the grace and disagreed.
+            ContextBrokenError: MPI failed while the queue was pumped.
+        """
+        with self.lock:
+            try:
+                self._queue(op)
+            except MPI.Exception as exc:
+                raise self.mpi_failed(exc, op) from exc
+        self._await_check(op, None, spun)
+
+    def _await_check(self, op: Op, grace: float | None, spun: bool) -> None:
+        """Wait up to the grace for a queued op's check; raise its error if it failed."""
         if op.state == CHECKING:
             self._wait_check(op, self.ctx.config.check_grace if grace is None else grace, spun)
         if op.state == FAILED:
@@ -348,7 +379,6 @@ class Engine:
         Raises:
             ContextBrokenError: MPI failed to post the check (the context is then broken).
         """
-        group = op.group
         spun = False
         try:
             if op.record is None:
@@ -359,13 +389,18 @@ class Engine:
                     spun = True
                     if self._carried_at_once(op):
                         return spun
-            group.queue.append(op)
-            self.waiting_groups.add(group)
-            if op.state != CHECKING or group.queue[0] is not op:
-                self._pump(group)  # else _wait_check pumps, once the check had time to meet
+            self._queue(op)
         except MPI.Exception as exc:
             raise self.mpi_failed(exc, op) from exc
         return spun
+
+    def _queue(self, op: Op) -> None:
+        """Queue `op` on its group, its check (if any) posted (call with the lock held)."""
+        group = op.group
+        group.queue.append(op)
+        self.waiting_groups.add(group)
+        if op.state != CHECKING or group.queue[0] is not op:
+            self._pump(group)  # else _wait_check pumps, once the check had time to meet
 
     def _post_check(self, op: Op) -> None:
         group = op.group
@@ -401,7 +436,7 @@ class Engine:
         complete without entering the queue. Otherwise (late, or rows that differ) the
         caller queues it and the check goes on as any other.
         """
-        if not _spin(op.check_req, self._check_spins()):
+        if not _spin(op.check_req, self.check_spins()):
             return False
         rows = op.check_recv
         header = op.check_send[:HEADER_BYTES]
@@ -801,7 +836,7 @@ class Engine:
                             # a while is enough (a completed request tests True again). Only
                             # at first: a check that takes longer waits for a peer, which on
                             # an oversubscribed node needs this rank to yield its core soon.
-                            _spin(op.check_req, self._check_spins())
+                            _spin(op.check_req, self.check_spins())
                         self._pump(group)
                     except MPI.Exception as exc:
                         raise self.mpi_failed(exc, op) from exc
@@ -813,7 +848,7 @@ class Engine:
                 backoff = Backoff(self.spin_pauses)
             backoff.pause()
 
-    def _check_spins(self) -> int:
+    def check_spins(self) -> int:
         """How many times a call tests its check before it yields: few where ranks outnumber cores."""
         return _SPINS if self.spin_pauses >= SPIN_PAUSES else OVERSUBSCRIBED_SPINS
 

@@ -1,0 +1,193 @@
+"""The compiled lane of repeated small all-reduces: `_lanes`, built from the C files here.
+
+A repeated small all-reduce on its Python lane (`lane.py`) still spends most of its time in
+Python: the public wrapper, the op and handle objects, the engine's submit, `resolve()` and
+its wait, mpi4py's argument handling. The compiled lane does the same steps in one C call
+each way, on the same objects: the op it registers is the engine's `Op` (its MPI request an
+mpi4py `Request`), its result a `Tensor`, its handle a `CollectiveTensor` (`LaneTensor`,
+whose `resolve()` is compiled for the plain wait of a posted op). So the Python engine can
+take over any op the compiled lane starts (reaping a dropped handle, close(), a timeout, a
+check that did not agree at once), and every call the compiled lane declines goes to the
+Python lane, then the general path.
+
+Two kinds of call have one, when their lane's plan allows it (`compiled_lane`):
+
+- up to 64 KiB (`CopyLane`): MPI's in-place all-reduce on a copy, after the check (when the
+  context checks, in groups of 2-8 ranks) has agreed, which it usually does within a spin;
+- check on, up to 64 bytes in groups of 2-8 ranks (`CheckLane`): the input carried in the
+  check's row, the rows reduced at the call when they all agree (C loops that do what
+  NumPy's ufuncs do, in the same order: the same bits as the Python lane's reduction).
+
+MEAN's division is compiled for float32 and float64; other MEAN lanes stay Python.
+
+The C code calls MPI without MPI's headers (one build serves Open MPI, MPICH and their
+kin): it finds ``MPI_Iallreduce``, ``MPI_Iallgather``, ``MPI_Test`` and ``MPI_Wait`` in the
+library mpi4py loaded, reads handles out of mpi4py's objects through mpi4py's C API, and
+casts each call to the handle kind `_core.mpi.pointer_handles` reports. Where the module
+was not built (no compiler when installed), cannot bind, or ``MPITENSOR_NATIVE=0`` is set,
+the Python lanes take every call: `status()` says which.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from ..._core import state
+from ..._core.config import ReduceOperation
+from ..._core.mpi import MPI, pointer_handles
+from ..._core.tensor import TENSOR_FIELDS, Tensor
+from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, STATES, Op
+from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried
+from ..._transport.mpi import in_place
+from ..common import HANDLE_FIELDS, CollectiveTensor, Later
+
+try:
+    from . import _lanes
+except ImportError as _error:  # built without a compiler, or for another interpreter
+    _lanes = None
+    _BUILD_ERROR = str(_error)
+
+__all__ = ["LaneTensor", "compiled_lane", "front", "status"]
+
+# ReduceOperation to the C loops' op codes (MEAN reduces as SUM, then divides).
+_OP_CODES = {
+    ReduceOperation.SUM: 1,
+    ReduceOperation.MEAN: 1,
+    ReduceOperation.PROD: 2,
+    ReduceOperation.MAX: 3,
+    ReduceOperation.MIN: 4,
+    ReduceOperation.BAND: 5,
+    ReduceOperation.BOR: 6,
+    ReduceOperation.BXOR: 7,
+}
+_DIVIDES = (np.dtype(np.float32), np.dtype(np.float64))  # MEAN's compiled division
+
+
+class LaneTensor(CollectiveTensor):
+    """The handle of a call started on a compiled lane.
+
+    A `CollectiveTensor` in every way; its `resolve()` is compiled (installed when the
+    module is bound) for the plain wait of a posted op, and is the general one otherwise.
+    """
+
+    __slots__ = ()
+
+
+class _Binding:
+    """Whether the module is bound to this process's MPI, and if not, why."""
+
+    __slots__ = ("tried", "why")
+
+    def __init__(self) -> None:
+        self.tried = False
+        self.why = "not bound yet (no lane made)"
+
+
+_binding = _Binding()
+
+
+def front(general: Callable[..., Any]) -> Callable[..., Any]:
+    """The public `all_reduce`: `general` behind the compiled entry where the module is built.
+
+    The entry starts calls on their compiled lanes once the module is bound (until then it
+    only calls `general`), and takes `general`'s name, docstring and signature.
+
+    Args:
+        general: the Python `all_reduce` with its lanes (`lane.with_lane`).
+
+    Returns:
+        The entry, or `general` itself where the module was not built.
+    """
+    if _lanes is None:
+        return general
+    return functools.update_wrapper(_lanes.Entry(general), general)
+
+
+def _bind() -> bool:
+    """Bind the module once (after MPI is initialized); whether it is bound."""
+    if _binding.tried:
+        return _binding.why == ""
+    _binding.tried = True
+    if _lanes is None:
+        _binding.why = f"not built ({_BUILD_ERROR})"
+        return False
+    if os.environ.get("MPITENSOR_NATIVE", "").strip() == "0":
+        _binding.why = "switched off (MPITENSOR_NATIVE=0)"
+        return False
+    handles = pointer_handles()
+    if handles is None:
+        _binding.why = "MPI's handles are neither pointers nor ints"
+        return False
+    try:
+        _lanes.bind(
+            mpi=MPI, pointer_handles=handles, op_class=Op, tensor_class=Tensor, tensor_fields=TENSOR_FIELDS,
+            handle_class=LaneTensor, handle_fields=HANDLE_FIELDS, open_contexts=state.open_contexts,
+            states=STATES, later=Later, base_resolve=CollectiveTensor.resolve, agree_stage=AGREE_STAGE,
+            carried=CARRIED, header_bytes=HEADER_BYTES, payload_bytes=PAYLOAD_BYTES, row_bytes=ROW_BYTES,
+            reap_after=REAP_AFTER,
+        )
+    except (RuntimeError, TypeError) as exc:
+        _binding.why = f"cannot bind to this MPI: {exc}"
+        return False
+    _binding.why = ""
+    return True
+
+
+def status() -> str:
+    """The compiled lane's state in a few words: "on", or why the Python lanes take every call."""
+    if not _binding.tried and _lanes is not None:
+        return "built, not bound yet"
+    return "on" if _binding.why == "" else _binding.why
+
+
+def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
+    """The compiled lane beside the Python `lane` (a `CopyLane` or a `CheckLane`), or None.
+
+    Args:
+        lane: the Python lane (its ``ctx``, ``group``, ``plan`` and ``record``).
+        array: an input of the lane's kind (dtype and shape).
+        op: the op argument as the calls give it (part of the lane's key).
+        checked: whether `lane` carries its input in the check (a `CheckLane`).
+
+    Returns:
+        A `_lanes.Lane`, or None where the plan has no compiled counterpart (a converted work
+        dtype, a MEAN of a dtype other than float32 and float64, a loop the C code lacks) or
+        the module is not bound.
+    """
+    plan = lane.plan
+    record = lane.record
+    if plan.work_dtype != array.dtype or (plan.divide and array.dtype not in _DIVIDES) or not _bind():
+        return None
+    group = lane.group
+    if record is not None and not group.gathers:
+        return None  # the check of a large group is an all-reduce of its own, on the Python lane
+    # A checked lane's record says its ReduceOperation.
+    rows = _lanes.rows_kind(array.dtype.num, _OP_CODES[record.op]) if checked else 0
+    if rows < 0:
+        return None
+    done = Op("all_reduce", group, array.nbytes, lambda: [], record=record)
+    done.state = COMPLETE  # the op that calls completed at once share: nothing is left to do
+    return _lanes.Lane(
+        kind=_lanes.CHECK if checked else _lanes.COPY, ctx=lane.ctx, group=group, op_key=op,
+        template=np.empty(array.shape, array.dtype), datatype=plan.datatype, mpi_op=plan.mpi_op,
+        divide=plan.divide, record=record, value=0 if record is None else record.check_value(),
+        per_rank=CARRIED if checked else 0 if record is None else record.per_rank, rows=rows,
+        spins=lane.ctx.engine.check_spins(),
+        queued_post=partial(_carried_post if checked else _copy_post, group.comm, plan), done_op=done,
+    )
+
+
+def _carried_post(comm: Any, plan: Any, out: np.ndarray, payload: bytes) -> Callable[..., list[Any]]:
+    """The post of a compiled carried call whose check the engine takes: `reduce_carried` into `out`."""
+    return partial(reduce_carried, comm, out, payload, plan)
+
+
+def _copy_post(comm: Any, plan: Any, buffer: np.ndarray, payload: None) -> Callable[[], list[Any]]:
+    """The post of a compiled checked copy whose check the engine takes: MPI in place on `buffer`."""
+    return partial(in_place, comm, buffer, plan)

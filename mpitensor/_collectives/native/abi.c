@@ -1,0 +1,211 @@
+/* MPI's functions, found in the library mpi4py loaded, called with either kind of handle.
+ *
+ * mpitensor has no MPI headers at build time: MPI implementations disagree on what a
+ * handle is (an int in MPICH and its derivatives, a pointer in Open MPI and the MPI 5
+ * ABI), on MPI_IN_PLACE and on MPI_Status. So the functions are looked up by name in the
+ * loaded library, handles are read out of mpi4py's objects through mpi4py's own C API
+ * (whose capsules give pointers to the handles), and every call is cast to the signature
+ * of the ABI at hand. Statuses go to a buffer larger than any implementation's.
+ */
+#define _GNU_SOURCE
+#include "native.h"
+
+#include <dlfcn.h>
+#include <link.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef int (*iallreduce_ptr)(const void *, void *, int, void *, void *, void *, void *);
+typedef int (*iallreduce_int)(const void *, void *, int, int, int, int, void *);
+typedef int (*iallgather_ptr)(const void *, int, void *, void *, int, void *, void *, void *);
+typedef int (*iallgather_int)(const void *, int, int, void *, int, int, int, void *);
+typedef int (*test_fn)(void *, int *, void *);
+typedef int (*wait_fn)(void *, void *);
+typedef PyObject *(*request_new_ptr)(void *);
+typedef PyObject *(*request_new_int)(int);
+typedef void *(*handle_get)(PyObject *);
+
+static struct {
+    int pointer_handles;
+    void *iallreduce, *iallgather;
+    test_fn test;
+    wait_fn wait;
+    void *request_new;
+    handle_get request_get, comm_get, datatype_get, op_get;
+    mpi_handle request_null, byte;
+    void *in_place;
+    PyObject *exception;
+    int bound;
+} mpi;
+
+/* A status is at most 8 ints and a count in every implementation known; leave room. */
+typedef struct { int64_t words[16]; } any_status;
+
+static int find_in(void *library, const char *why_prefix, char *why, size_t why_size) {
+    mpi.iallreduce = dlsym(library, "MPI_Iallreduce");
+    mpi.iallgather = dlsym(library, "MPI_Iallgather");
+    mpi.test = (test_fn)dlsym(library, "MPI_Test");
+    mpi.wait = (wait_fn)dlsym(library, "MPI_Wait");
+    if (mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait) return 1;
+    snprintf(why, why_size, "%s", why_prefix);
+    return 0;
+}
+
+struct search { void *found; };
+
+/* dl_iterate_phdr's callback: the first loaded object exporting MPI_Iallreduce. */
+static int find_library(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    struct search *search = data;
+    if (info->dlpi_name == NULL || info->dlpi_name[0] == '\0') return 0;
+    void *library = dlopen(info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD);
+    if (library == NULL) return 0;
+    if (dlsym(library, "MPI_Iallreduce") != NULL) {
+        search->found = library;
+        return 1;
+    }
+    dlclose(library);
+    return 0;
+}
+
+static int find_functions(char *why, size_t why_size) {
+    /* A library loaded globally (or a profiling layer preloaded before it) comes first, as
+     * it would for a program linked against MPI; else the one mpi4py loaded locally. */
+    if (find_in(RTLD_DEFAULT, "", why, why_size)) return 0;
+    struct search search = {NULL};
+    dl_iterate_phdr(find_library, &search);
+    if (search.found != NULL && find_in(search.found, "", why, why_size)) return 0;
+    snprintf(why, why_size, "no loaded library exports MPI_Iallreduce, MPI_Iallgather, MPI_Test and MPI_Wait");
+    return -1;
+}
+
+static void *capsule_function(PyObject *capi, const char *name, const char *signature) {
+    PyObject *capsule = PyDict_GetItemString(capi, name);
+    if (capsule == NULL || !PyCapsule_IsValid(capsule, signature)) return NULL;
+    return PyCapsule_GetPointer(capsule, signature);
+}
+
+static mpi_handle read_handle(void *slot) {
+    return mpi.pointer_handles ? (mpi_handle)(*(void **)slot) : (mpi_handle)(*(int *)slot);
+}
+
+static int find_capi(PyObject *module, char *why, size_t why_size) {
+    PyObject *capi = PyObject_GetAttrString(module, "__pyx_capi__");
+    if (capi == NULL || !PyDict_Check(capi)) {
+        Py_XDECREF(capi);
+        PyErr_Clear();
+        snprintf(why, why_size, "mpi4py.MPI has no C API (__pyx_capi__)");
+        return -1;
+    }
+    mpi.request_new = capsule_function(capi, "PyMPIRequest_New", "PyObject *(MPI_Request)");
+    mpi.request_get = (handle_get)capsule_function(capi, "PyMPIRequest_Get", "MPI_Request *(PyObject *)");
+    mpi.comm_get = (handle_get)capsule_function(capi, "PyMPIComm_Get", "MPI_Comm *(PyObject *)");
+    mpi.datatype_get = (handle_get)capsule_function(capi, "PyMPIDatatype_Get", "MPI_Datatype *(PyObject *)");
+    mpi.op_get = (handle_get)capsule_function(capi, "PyMPIOp_Get", "MPI_Op *(PyObject *)");
+    Py_DECREF(capi);
+    PyErr_Clear();
+    if (!mpi.request_new || !mpi.request_get || !mpi.comm_get || !mpi.datatype_get || !mpi.op_get) {
+        snprintf(why, why_size, "mpi4py's C API lacks the Request, Comm, Datatype or Op functions");
+        return -1;
+    }
+    return 0;
+}
+
+/* The handle inside the mpi4py object `name` of `module`, through `get`. */
+static int module_handle(PyObject *module, const char *name, handle_get get, mpi_handle *out) {
+    PyObject *object = PyObject_GetAttrString(module, name);
+    if (object == NULL) return -1;
+    void *slot = get(object);
+    Py_DECREF(object);
+    if (slot == NULL) return -1;
+    *out = read_handle(slot);
+    return 0;
+}
+
+int mpi_bind(PyObject *module, int pointer_handles, char *why, size_t why_size) {
+    mpi.pointer_handles = pointer_handles;
+    if (find_functions(why, why_size) < 0 || find_capi(module, why, why_size) < 0) return -1;
+    if (module_handle(module, "REQUEST_NULL", mpi.request_get, &mpi.request_null) < 0 ||
+        module_handle(module, "BYTE", mpi.datatype_get, &mpi.byte) < 0) {
+        PyErr_Clear();
+        snprintf(why, why_size, "mpi4py.MPI lacks REQUEST_NULL or BYTE");
+        return -1;
+    }
+    PyObject *in_place = PyObject_GetAttrString(module, "IN_PLACE");
+    mpi.exception = PyObject_GetAttrString(module, "Exception");
+    if (in_place == NULL || mpi.exception == NULL) {
+        Py_XDECREF(in_place);
+        PyErr_Clear();
+        snprintf(why, why_size, "mpi4py.MPI lacks IN_PLACE or Exception");
+        return -1;
+    }
+    /* mpi4py's IN_PLACE converts to an int holding the C constant's address. */
+    PyObject *address = PyNumber_Long(in_place);
+    Py_DECREF(in_place);
+    mpi.in_place = address == NULL ? NULL : PyLong_AsVoidPtr(address);
+    Py_XDECREF(address);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        snprintf(why, why_size, "mpi4py.MPI.IN_PLACE is not an address");
+        return -1;
+    }
+    mpi.bound = 1;
+    return 0;
+}
+
+int mpi_bound(void) { return mpi.bound; }
+
+static mpi_handle handle_of(PyObject *object, handle_get get) {
+    void *slot = get(object);
+    return slot == NULL ? -1 : read_handle(slot);
+}
+
+mpi_handle mpi_comm_of(PyObject *comm) { return handle_of(comm, mpi.comm_get); }
+mpi_handle mpi_datatype_of(PyObject *datatype) { return handle_of(datatype, mpi.datatype_get); }
+mpi_handle mpi_op_of(PyObject *op) { return handle_of(op, mpi.op_get); }
+mpi_handle mpi_byte(void) { return mpi.byte; }
+
+PyObject *mpi_new_request(void) {
+    if (mpi.pointer_handles) return ((request_new_ptr)mpi.request_new)((void *)mpi.request_null);
+    return ((request_new_int)mpi.request_new)((int)mpi.request_null);
+}
+
+void *mpi_request_slot(PyObject *request) { return mpi.request_get(request); }
+
+int mpi_iallreduce_in_place(void *buffer, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm,
+                            void *request) {
+    if (mpi.pointer_handles)
+        return ((iallreduce_ptr)mpi.iallreduce)(mpi.in_place, buffer, count, (void *)datatype, (void *)op,
+                                                 (void *)comm, request);
+    return ((iallreduce_int)mpi.iallreduce)(mpi.in_place, buffer, count, (int)datatype, (int)op, (int)comm,
+                                             request);
+}
+
+int mpi_iallgather_bytes(const void *send, void *recv, int count, mpi_handle comm, void *request) {
+    if (mpi.pointer_handles)
+        return ((iallgather_ptr)mpi.iallgather)(send, count, (void *)mpi.byte, recv, count, (void *)mpi.byte,
+                                                 (void *)comm, request);
+    return ((iallgather_int)mpi.iallgather)(send, count, (int)mpi.byte, recv, count, (int)mpi.byte, (int)comm,
+                                             request);
+}
+
+int mpi_test(void *request, int *flag) {
+    any_status status;
+    return mpi.test(request, flag, &status);
+}
+
+int mpi_wait(void *request) {
+    any_status status;
+    return mpi.wait(request, &status);
+}
+
+PyObject *mpi_raise(int code) {
+    PyObject *error = PyObject_CallFunction(mpi.exception, "i", code);
+    if (error != NULL) {
+        PyErr_SetObject(mpi.exception, error);
+        Py_DECREF(error);
+    }
+    return NULL;
+}
+
+PyObject *mpi_exception_type(void) { return mpi.exception; }

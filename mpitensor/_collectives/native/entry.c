@@ -1,0 +1,170 @@
+/* The public `all_reduce` with a compiled front: calls of a kind with a compiled lane start
+ * on it without a Python frame; every other call goes to the Python function it wraps.
+ *
+ * Lanes are found in a small cache of the lanes started lately, matched on the exact
+ * objects of the call (the current context, the dtype object, the op argument) and on the
+ * shape. A call the cache does not know goes to the Python wrapper (`lane.with_lane`),
+ * whose lookup of the context's lanes compares dtypes, shapes and ops by equality; a
+ * compiled lane started from there enters the cache. A lane is only ever a correct lane for
+ * the calls it matches, so the cache can hold any of them: entries of a context give way to
+ * a newer context's, which is what bounds how long a closed context stays referenced.
+ */
+#include "native.h"
+
+#include <stddef.h>
+#include <string.h>
+
+#define CACHE_SIZE 8
+
+static PyObject *cache[CACHE_SIZE];
+static int cache_next;
+
+void lane_cache_insert(PyObject *lane) {
+    for (int i = 0; i < CACHE_SIZE; i++)
+        if (cache[i] == lane) return;
+    /* A lane of another context than the newest entry's: the older context's entries go. */
+    int last = (cache_next + CACHE_SIZE - 1) % CACHE_SIZE;
+    if (cache[last] != NULL && lane_context(cache[last]) != lane_context(lane))
+        for (int i = 0; i < CACHE_SIZE; i++) Py_CLEAR(cache[i]);
+    Py_XSETREF(cache[cache_next], Py_NewRef(lane));
+    cache_next = (cache_next + 1) % CACHE_SIZE;
+}
+
+PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op) {
+    for (int i = 0; i < CACHE_SIZE; i++)
+        if (cache[i] != NULL && lane_matches(cache[i], ctx, array, op)) return cache[i];
+    return NULL;
+}
+
+PyObject *lane_cache_clear(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    for (int i = 0; i < CACHE_SIZE; i++) Py_CLEAR(cache[i]);
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *general;
+    PyObject *dict;
+    vectorcallfunc vectorcall;
+} Entry;
+
+/* input, op and devices of a call `all_reduce(input, op=None, devices=None)`; 0 when the
+ * call has anything else (the general path takes it). */
+static int parse_call(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **input, PyObject **op,
+                      PyObject **devices) {
+    if (nargs < 1 || nargs > 3) return 0;
+    *input = args[0];
+    *op = nargs >= 2 ? args[1] : Py_None;
+    *devices = nargs == 3 ? args[2] : Py_None;
+    Py_ssize_t keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; i < keywords; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
+        if (nargs < 2 && PyUnicode_CompareWithASCIIString(name, "op") == 0)
+            *op = value;
+        else if (nargs < 3 && PyUnicode_CompareWithASCIIString(name, "devices") == 0)
+            *devices = value;
+        else
+            return 0;
+    }
+    return 1;
+}
+
+/* The call on its compiled lane: a new handle, NULL with an error, or None to go the general way. */
+static PyObject *on_lane(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *input, *op, *devices;
+    if (!consts.bound || !parse_call(args, nargs, kwnames, &input, &op, &devices) || devices != Py_None)
+        Py_RETURN_NONE;
+    Py_ssize_t open = PyList_GET_SIZE(consts.open_contexts);
+    if (open == 0) Py_RETURN_NONE;
+    PyObject *ctx = PyList_GET_ITEM(consts.open_contexts, open - 1), *tensor = Py_None, *array = input;
+    if (Py_IS_TYPE(input, layout.tensor_type)) {
+        tensor = input;
+        array = SLOT(input, layout.tensor_array);
+    }
+    if (array == NULL || !PyArray_CheckExact(array)) Py_RETURN_NONE;
+    PyObject *lane = lane_cache_find(ctx, (PyArrayObject *)array, op);
+    if (lane == NULL) Py_RETURN_NONE;
+    return lane_start(lane, tensor, array);
+}
+
+static PyObject *Entry_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *handle = on_lane(args, nargs, kwnames);
+    if (handle != Py_None) return handle;
+    Py_DECREF(handle);
+    return PyObject_Vectorcall(((Entry *)self)->general, args, nargsf, kwnames);
+}
+
+static int Entry_init(PyObject *self, PyObject *args, PyObject *kwargs) {
+    PyObject *general;
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) || !PyArg_ParseTuple(args, "O", &general)) {
+        PyErr_SetString(PyExc_TypeError, "Entry(general) takes the Python function it fronts");
+        return -1;
+    }
+    if (!PyCallable_Check(general)) {
+        PyErr_SetString(PyExc_TypeError, "Entry(general): general must be callable");
+        return -1;
+    }
+    Py_XSETREF(((Entry *)self)->general, Py_NewRef(general));
+    ((Entry *)self)->vectorcall = Entry_vectorcall;
+    return 0;
+}
+
+static PyObject *Entry_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return PyVectorcall_Call(self, args, kwargs);
+}
+
+static PyObject *Entry_repr(PyObject *self) {
+    return PyObject_Repr(((Entry *)self)->general);
+}
+
+static int Entry_traverse(PyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(((Entry *)self)->general);
+    Py_VISIT(((Entry *)self)->dict);
+    return 0;
+}
+
+static int Entry_clear(PyObject *self) {
+    Py_CLEAR(((Entry *)self)->general);
+    Py_CLEAR(((Entry *)self)->dict);
+    return 0;
+}
+
+static void Entry_dealloc(PyObject *self) {
+    PyObject_GC_UnTrack(self);
+    Entry_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyGetSetDef Entry_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(Entry_doc,
+"Entry(general)\n--\n\n"
+"A callable that starts a call on its compiled lane when it has one, else calls `general`.\n\n"
+"Calls of the form all_reduce(input, op=None, devices=None) with devices None, on a NumPy\n"
+"array or a Tensor of a kind whose lane the cache holds, start there; every other call, and\n"
+"every call the lane declines, is `general(*args, **kwargs)`. Attributes such as __doc__ and\n"
+"__wrapped__ can be set on it (functools.update_wrapper).");
+
+PyTypeObject EntryType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpitensor._collectives.native._lanes.Entry",
+    .tp_basicsize = sizeof(Entry),
+    .tp_dealloc = Entry_dealloc,
+    .tp_vectorcall_offset = offsetof(Entry, vectorcall),
+    .tp_repr = Entry_repr,
+    .tp_call = Entry_call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = Entry_doc,
+    .tp_traverse = Entry_traverse,
+    .tp_clear = Entry_clear,
+    .tp_getset = Entry_getset,
+    .tp_dictoffset = offsetof(Entry, dict),
+    .tp_init = Entry_init,
+    .tp_new = PyType_GenericNew,
+};

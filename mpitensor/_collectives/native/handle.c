@@ -1,0 +1,156 @@
+/* `resolve()` of a compiled lane's handle, for the op it started: its wait and completion in C.
+ *
+ * What `CollectiveTensor.resolve` and `Engine.wait` do for a posted op when nothing is
+ * queued on any group and no stepped op is in flight (so no peer waits for this rank to
+ * post or step): wait inside MPI, take the op out of the engine's posted ops, run its
+ * finish, and mark it complete, under the engine's lock. The request is tested a few times
+ * first; if it is still in flight, MPI_Wait blocks with the GIL released where the context
+ * has no timeout, and where it has one the Python resolve takes over (it waits with the
+ * timeout, the diagnosis and the progress of other groups). Every other case (a timeout
+ * argument, an op completed, failed or still checking, protections from `assume_resolved`,
+ * a closed context, a value settled later) is the Python resolve's from the start.
+ */
+#include "native.h"
+
+#define SPINS 256 /* tests before waiting in MPI_Wait, or handing over to the Python resolve */
+
+static PyObject *general(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *call[3] = {NULL, self, NULL};
+    Py_ssize_t given = nargs + (kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames));
+    if (given > 1) {
+        PyErr_SetString(PyExc_TypeError, "resolve() takes at most one argument (timeout)");
+        return NULL;
+    }
+    if (given == 1) call[2] = args[0];
+    return PyObject_Vectorcall(consts.base_resolve, call + 1, (size_t)(1 + nargs) | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                               kwnames);
+}
+
+static long state_of(PyObject *op) {
+    PyObject *state = SLOT(op, layout.op_state);
+    return state != NULL && PyLong_CheckExact(state) ? PyLong_AsLong(state) : -1;
+}
+
+/* 1 if `attribute` of `object` is a container with something in it or a nonzero int; -1 on error. */
+static int nonempty(PyObject *object, PyObject *attribute) {
+    PyObject *value = PyObject_GetAttr(object, attribute);
+    if (value == NULL) return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+static int remove_posted(PyObject *engine, PyObject *op) {
+    PyObject *posted = PyObject_GetAttr(engine, names.posted);
+    if (posted == NULL) return -1;
+    int found = -1;
+    if (PyList_Check(posted))
+        for (Py_ssize_t i = PyList_GET_SIZE(posted) - 1; i >= 0; i--)
+            if (PyList_GET_ITEM(posted, i) == op) {
+                found = PyList_SetSlice(posted, i, i + 1, NULL);
+                break;
+            }
+    Py_DECREF(posted);
+    if (found == -1 && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a posted op was not in the engine");
+    return found;
+}
+
+/* What `Engine._complete` does for an op without protections or stepper: 0, or -1 with the op failed. */
+static int complete(PyObject *op) {
+    if (slot_steal(op, layout.op_requests, PyList_New(0)) < 0) return -1;
+    slot_set(op, layout.op_keep, consts.empty_tuple);
+    PyObject *finish = SLOT(op, layout.op_finish);
+    if (finish != NULL && finish != Py_None) {
+        PyObject *result = PyObject_CallNoArgs(finish);
+        if (result == NULL) {
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            PyErr_NormalizeException(&type, &value, &traceback);
+            slot_set(op, layout.op_error, value);
+            slot_set(op, layout.op_state, consts.states[FAILED]);
+            PyErr_Restore(type, value, traceback);
+            return -1;
+        }
+        slot_steal(op, layout.op_result, result);
+    }
+    slot_set(op, layout.op_state, consts.states[COMPLETE]);
+    return 0;
+}
+
+/* Wait for the op's one request under the engine's lock; 1 done, 0 left to the Python resolve, -1 error. */
+static int wait_posted(PyObject *op, PyObject *engine, int may_block) {
+    PyObject *requests = SLOT(op, layout.op_requests), *protections = SLOT(op, layout.op_protections);
+    if (state_of(op) != POSTED || requests == NULL || !PyList_CheckExact(requests) ||
+        PyList_GET_SIZE(requests) != 1 || protections != consts.empty_tuple)
+        return 0;
+    int waiting = nonempty(engine, names.waiting_groups);
+    if (waiting != 0) return waiting < 0 ? -1 : 0;
+    void *slot = mpi_request_slot(PyList_GET_ITEM(requests, 0));
+    if (slot == NULL) return -1;
+    int flag = 0, code = 0;
+    for (int spin = 0; spin < SPINS && !flag && code == 0; spin++) code = mpi_test(slot, &flag);
+    if (!flag && code == 0) {
+        if (!may_block) return 0;
+        Py_BEGIN_ALLOW_THREADS
+        code = mpi_wait(slot);
+        Py_END_ALLOW_THREADS
+    }
+    if (code != 0) {
+        PyObject *mpi_error = PyObject_CallFunction(mpi_exception_type(), "i", code);
+        PyObject *error = mpi_error == NULL ? NULL : PyObject_CallMethod(engine, "mpi_failed", "OO", mpi_error, op);
+        Py_XDECREF(mpi_error);
+        if (error != NULL) {
+            PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+            Py_DECREF(error);
+        }
+        return -1;
+    }
+    if (remove_posted(engine, op) < 0 || complete(op) < 0) return -1;
+    return 1;
+}
+
+static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *op = SLOT(self, layout.handle_op), *value = SLOT(self, layout.handle_value);
+    PyObject *ctx = SLOT(self, layout.handle_ctx), *resolved = SLOT(self, layout.handle_resolved);
+    if (nargs + (kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames)) != 0 || op == NULL || value == NULL ||
+        ctx == NULL || resolved == NULL || PyObject_TypeCheck(value, (PyTypeObject *)consts.later_type))
+        return general(self, args, nargs, kwnames);
+    long state = state_of(op);
+    int closed = nonempty(ctx, names.closed);
+    if (closed < 0) return NULL;
+    if (state == COMPLETE && (resolved == Py_True || !closed)) {
+        slot_set(self, layout.handle_resolved, Py_True);
+        return Py_NewRef(value);
+    }
+    if (state != POSTED || closed) return general(self, args, nargs, kwnames);
+    PyObject *engine = PyObject_GetAttr(ctx, names.engine), *timeout = PyObject_GetAttr(ctx, names.timeout);
+    int stepping = engine == NULL ? -1 : nonempty(engine, names.stepping), done = -1;
+    if (timeout != NULL && stepping == 0) {
+        PyObject *lock = PyObject_GetAttr(engine, names.lock);
+        PyObject *acquire = lock == NULL ? NULL : PyObject_GetAttr(lock, names.acquire);
+        PyObject *release = lock == NULL ? NULL : PyObject_GetAttr(lock, names.release);
+        if (acquire != NULL && release != NULL && engine_lock(acquire) == 0) {
+            done = wait_posted(op, engine, timeout == Py_None);
+            engine_unlock(release);
+        }
+        Py_XDECREF(lock);
+        Py_XDECREF(acquire);
+        Py_XDECREF(release);
+    } else if (stepping > 0) {
+        done = 0;
+    }
+    Py_XDECREF(engine);
+    Py_XDECREF(timeout);
+    if (done < 0) return NULL;
+    if (done == 0) return general(self, args, nargs, kwnames);
+    slot_set(self, layout.handle_resolved, Py_True);
+    return Py_NewRef(value);
+}
+
+PyMethodDef handle_resolve_def = {
+    "resolve", (PyCFunction)(void (*)(void))resolve, METH_FASTCALL | METH_KEYWORDS,
+    "resolve($self, /, timeout=None)\n--\n\n"
+    "Wait for the collective, finish it, and return its result (see CollectiveTensor.resolve).\n\n"
+    "Compiled for the ops a lane starts; every case but a posted op's plain wait is the\n"
+    "general resolve's.",
+};

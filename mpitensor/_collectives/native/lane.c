@@ -1,0 +1,582 @@
+/* The compiled lane: what `CopyLane.start` and `CheckLane.start` do, in one C call.
+ *
+ * A lane is made by `lane.keep_lane` beside the Python lane of the same kind, with
+ * everything a call of that kind needs: the context, its full group and engine, the MPI
+ * handles, the dtype and shape, the check's record and agreement hash. A call on it
+ *
+ * - `COPY` (up to 64 KiB): copies the input and posts MPI_Iallreduce in place on the copy,
+ *   registering the op with the engine's posted ops as `Engine.submit` does for an op with
+ *   nothing before it (the group's queue empty, no held op). With the check on (2-8
+ *   ranks), the check's row (the agreement hash, no payload) goes first, as
+ *   `Engine._post_check` posts it; when every row agrees within the spin (the usual case),
+ *   the data is posted at once, as `Engine._pump` would post it;
+ * - `CHECK` (check on, up to 64 bytes, 2-8 ranks): the check's row carries the input; when
+ *   every row agrees within the spin, the rows are reduced as `reduce_carried` does and
+ *   the call completes at once.
+ *
+ * A check that does not agree within the spin (a late peer, or rows that differ) hands its
+ * op to `Engine.queue_checked`: from there on it is the Python engine's, exactly as if
+ * `Engine.submit` had posted that check.
+ *
+ * Whenever the engine is not idle for the group, or a step fails before anything is
+ * posted, the call is declined (None): the Python lane, then the general path, take it.
+ */
+#include "native.h"
+
+#include <pythread.h>
+#include <string.h>
+
+enum { LANE_COPY = 0, LANE_CHECK = 1 };
+
+typedef struct {
+    PyObject_HEAD
+    int kind;
+    PyObject *ctx, *engine, *group, *op_key, *device, *record, *queued_post, *done_op, *nbytes_obj;
+    PyObject *acquire, *release;
+    PyArray_Descr *descr;
+    int ndim;
+    npy_intp dims[NPY_MAXDIMS];
+    npy_intp count, nbytes;
+    mpi_handle comm, check_comm, datatype, mpi_op;
+    int size, spins, divide, rows_kind, type_num;
+    unsigned long owner;
+    long long value, per_rank;
+    PyObject *send, *recv, *request; /* the check's buffers and request, reused while no op holds them */
+} Lane;
+
+/* ---- helpers ------------------------------------------------------------------------------ */
+
+int engine_lock(PyObject *acquire) {
+    PyObject *got = PyObject_CallNoArgs(acquire);
+    if (got == NULL) return -1;
+    Py_DECREF(got);
+    return 0;
+}
+
+void engine_unlock(PyObject *release) {
+    PyObject *got = PyObject_CallNoArgs(release);
+    if (got == NULL) PyErr_WriteUnraisable(release);
+    Py_XDECREF(got);
+}
+
+/* A new object of a Python class with __slots__, its slots empty (filled by the caller). */
+static PyObject *alloc(PyTypeObject *type) { return type->tp_alloc(type, 0); }
+
+PyObject *make_tensor(PyObject *array, PyObject *device) {
+    PyObject *tensor = alloc(layout.tensor_type);
+    if (tensor == NULL) return NULL;
+    slot_set(tensor, layout.tensor_array, array);
+    slot_set(tensor, layout.tensor_device, device);
+    return tensor;
+}
+
+PyObject *make_handle(PyObject *op, PyObject *value, PyObject *ctx) {
+    PyObject *handle = alloc(layout.handle_type);
+    if (handle == NULL) return NULL;
+    slot_set(handle, layout.handle_op, op);
+    slot_set(handle, layout.handle_value, value);
+    slot_set(handle, layout.handle_ctx, ctx);
+    slot_set(handle, layout.handle_resolved, Py_False);
+    return handle;
+}
+
+/* An op of this lane in `state`, with the fields every op has (as `Op.__init__` sets them). */
+static PyObject *make_op(Lane *lane, int state, PyObject *record, PyObject *finish) {
+    PyObject *op = alloc(layout.op_type);
+    if (op == NULL) return NULL;
+    slot_set(op, layout.op_name, consts.kind_name);
+    slot_set(op, layout.op_group, lane->group);
+    slot_set(op, layout.op_nbytes, lane->nbytes_obj);
+    slot_set(op, layout.op_post, Py_None);
+    slot_set(op, layout.op_finish, finish);
+    slot_set(op, layout.op_record, record);
+    slot_set(op, layout.op_keep, consts.empty_tuple);
+    slot_set(op, layout.op_protections, consts.empty_tuple);
+    slot_set(op, layout.op_exchange, Py_False);
+    slot_set(op, layout.op_compare, record == Py_None ? Py_False : Py_True);
+    slot_set(op, layout.op_payload, Py_None);
+    slot_set(op, layout.op_stepper, Py_None);
+    slot_set(op, layout.op_state, consts.states[state]);
+    slot_set(op, layout.op_result, Py_None);
+    slot_set(op, layout.op_error, Py_None);
+    if (slot_steal(op, layout.op_requests, PyList_New(0)) < 0) {
+        Py_DECREF(op);
+        return NULL;
+    }
+    return op;
+}
+
+/* MEAN's division of `result` once reduced, as a callable the engine's `_complete` runs; None otherwise. */
+static PyObject *finisher(Lane *lane, PyObject *result) {
+    if (!lane->divide) return Py_NewRef(Py_None);
+    return PyObject_CallFunction((PyObject *)&DivideType, "Oi", result, lane->size);
+}
+
+/* Whether the engine may take an op of this group now with nothing before it; -1 on error. */
+static int group_idle(Lane *lane, int check) {
+    PyObject *queue = PyObject_GetAttr(lane->group, names.queue);
+    if (queue == NULL) return -1;
+    Py_ssize_t queued = PyObject_Length(queue);
+    Py_DECREF(queue);
+    PyObject *holder = PyObject_GetAttr(lane->group, names.holder);
+    if (holder == NULL || queued < 0) return -1;
+    int idle = queued == 0 && holder == Py_None;
+    Py_DECREF(holder);
+    if (!idle || !check) return idle;
+    PyObject *stepping = PyObject_GetAttr(lane->engine, names.stepping);
+    if (stepping == NULL) return -1;
+    idle = PyLong_Check(stepping) && PyLong_AsLong(stepping) == 0;
+    Py_DECREF(stepping);
+    return idle;
+}
+
+/* The context may run a collective from this thread (else the general path says why not). */
+static int usable_here(Lane *lane) {
+    PyObject *usable = PyObject_GetAttr(lane->ctx, names.usable);
+    if (usable == NULL) return -1;
+    int ok = usable == Py_True && PyThread_get_thread_ident() == lane->owner;
+    Py_DECREF(usable);
+    return ok;
+}
+
+/* ---- the check ---------------------------------------------------------------------------- */
+
+/* The check's send row, receive rows and request for this call: the lane's own when no op
+ * holds them (the usual case: the last call's check agreed at once), else new ones. */
+static int take_buffers(Lane *lane, PyObject **send, PyObject **recv, PyObject **request) {
+    if (lane->send == NULL || Py_REFCNT(lane->send) > 1 || Py_REFCNT(lane->recv) > 1 ||
+        Py_REFCNT(lane->request) > 1) {
+        Py_CLEAR(lane->send);
+        Py_CLEAR(lane->recv);
+        Py_CLEAR(lane->request);
+        lane->send = PyByteArray_FromStringAndSize(NULL, consts.row_bytes);
+        lane->recv = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)consts.row_bytes * lane->size);
+        lane->request = mpi_new_request();
+        if (lane->send == NULL || lane->recv == NULL || lane->request == NULL) {
+            Py_CLEAR(lane->send);
+            Py_CLEAR(lane->recv);
+            Py_CLEAR(lane->request);
+            return -1;
+        }
+    }
+    *send = lane->send;
+    *recv = lane->recv;
+    *request = lane->request;
+    return 0;
+}
+
+/* The row: the agreement hash and the per-rank value (the engine's "=qq" header), then the
+ * input where the check carries it, zeros otherwise. */
+static void fill_row(Lane *lane, char *row, PyArrayObject *array) {
+    int64_t header[2] = {(int64_t)lane->value, (int64_t)lane->per_rank};
+    Py_ssize_t carried = lane->kind == LANE_CHECK ? (Py_ssize_t)lane->nbytes : 0;
+    memcpy(row, header, sizeof header);
+    if (carried) memcpy(row + consts.header_bytes, PyArray_DATA(array), (size_t)carried);
+    memset(row + consts.header_bytes + carried, 0, (size_t)(consts.payload_bytes - carried));
+}
+
+/* Add one to the int attribute `name` of `object`; its old value in *old (if old is not NULL). */
+static int increment(PyObject *object, PyObject *name, PyObject **old) {
+    PyObject *value = PyObject_GetAttr(object, name);
+    if (value == NULL) return -1;
+    PyObject *next = PyNumber_Add(value, consts.one);
+    int failed = next == NULL || PyObject_SetAttr(object, name, next) < 0;
+    Py_XDECREF(next);
+    if (failed || old == NULL) {
+        Py_DECREF(value);
+        return failed ? -1 : 0;
+    }
+    *old = value;
+    return 0;
+}
+
+/* Set the error `Engine.mpi_failed` makes of MPI's error `code` (it breaks the context). */
+static void broken(Lane *lane, int code, PyObject *op) {
+    PyObject *mpi_error = PyObject_CallFunction(mpi_exception_type(), "i", code);
+    if (mpi_error == NULL) return;
+    PyObject *error = PyObject_CallMethod(lane->engine, "mpi_failed", "OOO", mpi_error, op, consts.kind_name);
+    Py_DECREF(mpi_error);
+    if (error == NULL) return;
+    PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+    Py_DECREF(error);
+}
+
+/* Post the check's all-gather of `row` into `rows` as `Engine._post_check` does (the group's
+ * check number in *seq), then spin on it. 1: every row says what this rank's says (the same
+ * call, and for a carried call each row carrying its input): agreed at once. 0: posted, not
+ * agreed yet (late, or rows that differ: the engine finds out which). -1: MPI failed to post
+ * it (the context is broken; the error is set). Call with the engine's lock held. */
+static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, PyObject **seq) {
+    if (increment(lane->group, names.check_seq, seq) < 0) return -1;
+    if (increment(lane->engine, names.checks_posted, NULL) < 0) {
+        Py_CLEAR(*seq);
+        return -1;
+    }
+    int code = mpi_iallgather_bytes(row, rows, consts.row_bytes, lane->check_comm, slot);
+    if (code != 0) {
+        Py_CLEAR(*seq);
+        broken(lane, code, Py_None);
+        return -1;
+    }
+    int flag = 0;
+    for (int spin = 0; spin < lane->spins && !flag; spin++)
+        if (mpi_test(slot, &flag) != 0) return 0; /* the Python engine tests it again and reports */
+    if (!flag) return 0;
+    for (int member = 0; member < lane->size; member++)
+        if (memcmp(rows + (size_t)member * consts.row_bytes, row, (size_t)consts.header_bytes) != 0) return 0;
+    return 1;
+}
+
+/* Make `op` an op whose check is posted and not yet agreed, and hand it to the Python engine
+ * (`Engine.queue_checked`), which posts its data once the check agrees: `queued_post(out,
+ * payload)` gives the post it then calls. Call without the engine's lock. */
+static int queue_checked(Lane *lane, PyObject *op, PyObject *seq, PyObject *send, PyObject *recv,
+                         PyObject *request, PyObject *out) {
+    PyObject *payload = Py_None;
+    if (lane->kind == LANE_CHECK) {
+        payload = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(send) + consts.header_bytes, consts.payload_bytes);
+        if (payload == NULL) return -1;
+    }
+    slot_set(op, layout.op_state, consts.states[CHECKING]);
+    slot_set(op, layout.op_payload, payload);
+    slot_set(op, layout.op_seq, seq);
+    slot_set(op, layout.op_check_send, send);
+    slot_set(op, layout.op_check_recv, recv);
+    slot_set(op, layout.op_check_req, request);
+    PyObject *post = PyObject_CallFunctionObjArgs(lane->queued_post, out, payload, NULL);
+    if (payload != Py_None) Py_DECREF(payload);
+    if (slot_steal(op, layout.op_post, post) < 0 ||
+        slot_steal(op, layout.op_check_stage, PyLong_FromLong(consts.agree_stage)) < 0 ||
+        slot_steal(op, layout.op_requests, PyList_New(0)) < 0)
+        return -1;
+    PyObject *queued = PyObject_CallMethodObjArgs(lane->engine, consts.queue_checked, op, Py_True, NULL);
+    Py_XDECREF(queued);
+    return queued == NULL ? -1 : 0;
+}
+
+/* ---- a call ------------------------------------------------------------------------------ */
+
+/* What a call holds: made before anything is posted, so that once MPI has the call only the
+ * engine's bookkeeping is left to do. */
+typedef struct {
+    PyObject *out;       /* the result array: the copy MPI reduces in place, or where rows are reduced */
+    PyObject *op;        /* the call's op (in state POSTED until told otherwise) */
+    PyObject *handle;    /* the CollectiveTensor returned */
+    PyObject *request;   /* the data's request (inside the op's requests) */
+    PyObject *send, *recv, *check_request; /* the check's, when the call is checked (borrowed from the lane) */
+} Call;
+
+static void call_clear(Call *call) {
+    Py_CLEAR(call->out);
+    Py_CLEAR(call->op);
+    Py_CLEAR(call->handle);
+    Py_CLEAR(call->request);
+}
+
+/* The call's objects; 0, or -1 when one could not be made (nothing is posted: the call is declined). */
+static int call_prepare(Lane *lane, Call *call, PyObject *device, PyArrayObject *array) {
+    memset(call, 0, sizeof *call);
+    if (lane->kind == LANE_COPY) {
+        call->out = PyArray_NewCopy(array, NPY_CORDER);
+    } else {
+        Py_INCREF(lane->descr);
+        call->out = PyArray_Empty(lane->ndim, lane->dims, lane->descr, 0);
+    }
+    if (call->out == NULL) return -1;
+    PyObject *finish = finisher(lane, call->out);
+    if (finish == NULL) return -1;
+    call->op = make_op(lane, POSTED, lane->record, finish);
+    Py_DECREF(finish);
+    PyObject *result = make_tensor(call->out, device);
+    if (call->op == NULL || result == NULL) {
+        Py_XDECREF(result);
+        return -1;
+    }
+    call->handle = make_handle(call->op, result, lane->ctx);
+    Py_DECREF(result);
+    if (call->handle == NULL) return -1;
+    if (lane->kind == LANE_COPY) {
+        PyObject *keep = PyTuple_Pack(1, call->out); /* MPI writes the copy until the op completes */
+        call->request = mpi_new_request();
+        if (keep == NULL || call->request == NULL ||
+            PyList_Append(SLOT(call->op, layout.op_requests), call->request) < 0) {
+            Py_XDECREF(keep);
+            return -1;
+        }
+        slot_steal(call->op, layout.op_keep, keep);
+    }
+    if (lane->record != Py_None) {
+        if (take_buffers(lane, &call->send, &call->recv, &call->check_request) < 0) return -1;
+        fill_row(lane, PyByteArray_AS_STRING(call->send), array);
+    }
+    return 0;
+}
+
+/* Post the copy's MPI_Iallreduce and register the op with the engine's posted ops (lock held).
+ * 1 posted; 0 not posted, and MPI's error is the op's (a checked call's peers wait for its
+ * data: it fails as the engine's `_post_data` fails it, and resolve() raises); -1 error. */
+static int post_data(Lane *lane, Call *call, PyObject *posted) {
+    int code = mpi_iallreduce_in_place(PyArray_DATA((PyArrayObject *)call->out), (int)lane->count, lane->datatype,
+                                       lane->mpi_op, lane->comm, mpi_request_slot(call->request));
+    if (code != 0) {
+        broken(lane, code, call->op);
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        slot_set(call->op, layout.op_error, value);
+        slot_set(call->op, layout.op_state, consts.states[FAILED]);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        return 0;
+    }
+    return PyList_Append(posted, call->op) < 0 ? -1 : 1;
+}
+
+/* The call, once its objects are made: the handle, None (declined: nothing posted) or NULL. */
+static PyObject *call_run(Lane *lane, Call *call) {
+    PyObject *posted = NULL, *seq = NULL;
+    int checked = lane->record != Py_None, agreed = 1;
+    if (engine_lock(lane->acquire) < 0) return NULL;
+    posted = PyObject_GetAttr(lane->engine, names.posted);
+    int idle = posted == NULL ? -1 : group_idle(lane, checked);
+    /* Beyond `reap_after` ops in flight the Python path reaps the oldest (and holds back). */
+    if (idle > 0 && (!PyList_Check(posted) || PyList_GET_SIZE(posted) >= consts.reap_after)) idle = 0;
+    if (idle > 0 && checked) {
+        agreed = check_at_once(lane, PyByteArray_AS_STRING(call->send), PyByteArray_AS_STRING(call->recv),
+                               mpi_request_slot(call->check_request), &seq);
+        if (agreed >= 0) slot_set(call->op, layout.op_seq, seq);
+    }
+    int done = idle;
+    if (idle > 0 && agreed > 0 && lane->kind == LANE_COPY) {
+        done = post_data(lane, call, posted);
+    } else if (idle > 0 && agreed > 0) {
+        rows_reduce(lane->rows_kind, PyArray_DATA((PyArrayObject *)call->out), PyByteArray_AS_STRING(call->recv),
+                    lane->size, consts.row_bytes, consts.header_bytes, lane->count);
+        if (lane->divide)
+            divide_in_place(lane->type_num, PyArray_DATA((PyArrayObject *)call->out), lane->count, lane->size);
+        slot_set(call->handle, layout.handle_op, lane->done_op); /* nothing is left to do */
+    }
+    engine_unlock(lane->release);
+    Py_XDECREF(posted);
+    if (idle > 0 && agreed == 0)
+        done = queue_checked(lane, call->op, seq, call->send, call->recv, call->check_request, call->out) < 0 ? -1 : 1;
+    Py_XDECREF(seq);
+    if (idle < 0 || agreed < 0 || done < 0) return NULL;
+    if (idle == 0) Py_RETURN_NONE; /* something is queued or stepping: the Python lane goes behind it */
+    return Py_NewRef(call->handle);
+}
+
+static PyObject *start(Lane *lane, PyObject *device, PyArrayObject *array) {
+    Call call;
+    if (call_prepare(lane, &call, device, array) < 0) {
+        call_clear(&call);
+        PyErr_Clear(); /* nothing is posted: the general path takes the call and reports what failed */
+        Py_RETURN_NONE;
+    }
+    PyObject *handle = call_run(lane, &call);
+    call_clear(&call);
+    return handle;
+}
+
+/* ---- the lane object ------------------------------------------------------------------------ */
+
+PyObject *lane_start(PyObject *self, PyObject *tensor, PyObject *array) {
+    Lane *lane = (Lane *)self;
+    int ok = usable_here(lane);
+    if (ok <= 0) {
+        if (ok < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *device = tensor == Py_None ? lane->device : SLOT(tensor, layout.tensor_device);
+    if (device == NULL) Py_RETURN_NONE;
+    lane_cache_insert(self);
+    return start(lane, device, (PyArrayObject *)array);
+}
+
+PyObject *lane_context(PyObject *self) { return ((Lane *)self)->ctx; }
+
+int lane_matches(PyObject *self, PyObject *ctx, PyArrayObject *array, PyObject *op) {
+    Lane *lane = (Lane *)self;
+    if (lane->ctx != ctx || lane->op_key != op || PyArray_DESCR(array) != lane->descr ||
+        PyArray_NDIM(array) != lane->ndim || !PyArray_IS_C_CONTIGUOUS(array))
+        return 0;
+    npy_intp *dims = PyArray_DIMS(array);
+    for (int axis = 0; axis < lane->ndim; axis++)
+        if (dims[axis] != lane->dims[axis]) return 0;
+    return 1;
+}
+
+PyDoc_STRVAR(Lane_start_doc,
+"start(tensor, array)\n--\n\n"
+"Start the all-reduce of `array` (the data of `tensor`, or of None for a bare array) on this lane.\n\n"
+"`array` must be a C-contiguous ndarray of the lane's dtype and shape (the Python lane's\n"
+"lookup found this lane for it). Returns the handle, or None when the call is declined\n"
+"(the context unusable or used from another thread, the engine busy with the group, or a\n"
+"step failing before anything was posted): the Python lane then takes the call.");
+
+static PyObject *Lane_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Lane *lane = (Lane *)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "start(tensor, array) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *tensor = args[0], *array = args[1];
+    if (!PyArray_CheckExact(array) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)array) ||
+        PyArray_NBYTES((PyArrayObject *)array) != lane->nbytes ||
+        PyArray_ITEMSIZE((PyArrayObject *)array) != PyDataType_ELSIZE(lane->descr) ||
+        (tensor != Py_None && !Py_IS_TYPE(tensor, layout.tensor_type))) {
+        PyErr_SetString(PyExc_TypeError, "a lane starts calls of its own kind only");
+        return NULL;
+    }
+    return lane_start(self, tensor, array);
+}
+
+static const char *lane_keywords[] = {
+    "kind", "ctx", "group", "op_key", "template", "datatype", "mpi_op", "divide", "record", "value", "per_rank",
+    "rows", "spins", "queued_post", "done_op", NULL};
+
+static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
+    Lane *lane = (Lane *)self;
+    PyObject *ctx, *group, *op_key, *template, *datatype, *mpi_op, *record, *queued_post, *done_op;
+    int divide;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOO", (char **)lane_keywords, &lane->kind, &ctx,
+                                     &group, &op_key, &PyArray_Type, &template, &datatype, &mpi_op, &divide,
+                                     &record, &lane->value, &lane->per_rank, &lane->rows_kind, &lane->spins,
+                                     &queued_post, &done_op))
+        return -1;
+    if (lane->ctx != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a lane is made once");
+        return -1;
+    }
+    if (!consts.bound || (lane->kind != LANE_COPY && lane->kind != LANE_CHECK)) {
+        PyErr_SetString(PyExc_RuntimeError, "the native module is not bound, or the lane's kind is unknown");
+        return -1;
+    }
+    PyArrayObject *array = (PyArrayObject *)template;
+    lane->ndim = PyArray_NDIM(array);
+    memcpy(lane->dims, PyArray_DIMS(array), sizeof(npy_intp) * (size_t)lane->ndim);
+    lane->count = PyArray_SIZE(array);
+    lane->nbytes = PyArray_NBYTES(array);
+    lane->type_num = PyArray_TYPE(array);
+    lane->divide = divide;
+    if (lane->kind == LANE_CHECK && (lane->nbytes > consts.payload_bytes || lane->rows_kind < 0 || record == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "a carried lane has a record, at most the check's payload, and a loop");
+        return -1;
+    }
+    if (divide && divide_in_place(lane->type_num, NULL, 0, 1) < 0) {
+        PyErr_SetString(PyExc_ValueError, "MEAN's division is compiled for float32 and float64 only");
+        return -1;
+    }
+    PyObject *engine = PyObject_GetAttr(ctx, names.engine);
+    PyObject *lock = engine == NULL ? NULL : PyObject_GetAttr(engine, names.lock);
+    PyObject *comm = PyObject_GetAttrString(group, "comm"), *check_comm = PyObject_GetAttrString(group, "check_comm");
+    PyObject *device = PyObject_GetAttrString(ctx, "cpu_device"), *owner = PyObject_GetAttr(ctx, names.owner_thread);
+    PyObject *size = PyObject_GetAttrString(group, "size");
+    int ok = engine && lock && comm && check_comm && device && owner && size;
+    if (ok) {
+        lane->comm = mpi_comm_of(comm);
+        lane->check_comm = mpi_comm_of(check_comm);
+        lane->datatype = mpi_datatype_of(datatype);
+        lane->mpi_op = mpi_op_of(mpi_op);
+        lane->owner = PyLong_AsUnsignedLong(owner);
+        lane->size = (int)PyLong_AsLong(size);
+        lane->acquire = PyObject_GetAttr(lock, names.acquire);
+        lane->release = PyObject_GetAttr(lock, names.release);
+        lane->nbytes_obj = PyLong_FromSsize_t((Py_ssize_t)lane->nbytes);
+        ok = !PyErr_Occurred() && lane->acquire && lane->release && lane->nbytes_obj;
+    }
+    Py_XDECREF(lock);
+    Py_XDECREF(comm);
+    Py_XDECREF(check_comm);
+    Py_XDECREF(owner);
+    Py_XDECREF(size);
+    if (!ok) {
+        Py_XDECREF(engine);
+        Py_XDECREF(device);
+        return -1;
+    }
+    lane->engine = engine;
+    lane->device = device;
+    lane->ctx = Py_NewRef(ctx);
+    lane->group = Py_NewRef(group);
+    lane->op_key = Py_NewRef(op_key);
+    lane->record = Py_NewRef(record);
+    lane->queued_post = Py_NewRef(queued_post);
+    lane->done_op = Py_NewRef(done_op);
+    lane->descr = (PyArray_Descr *)Py_NewRef((PyObject *)PyArray_DESCR(array));
+    return 0;
+}
+
+static int Lane_traverse(PyObject *self, visitproc visit, void *arg) {
+    Lane *lane = (Lane *)self;
+    Py_VISIT(lane->ctx);
+    Py_VISIT(lane->engine);
+    Py_VISIT(lane->group);
+    Py_VISIT(lane->op_key);
+    Py_VISIT(lane->device);
+    Py_VISIT(lane->record);
+    Py_VISIT(lane->queued_post);
+    Py_VISIT(lane->done_op);
+    Py_VISIT(lane->acquire);
+    Py_VISIT(lane->release);
+    Py_VISIT(lane->request);
+    return 0;
+}
+
+static int Lane_clear(PyObject *self) {
+    Lane *lane = (Lane *)self;
+    Py_CLEAR(lane->ctx);
+    Py_CLEAR(lane->engine);
+    Py_CLEAR(lane->group);
+    Py_CLEAR(lane->op_key);
+    Py_CLEAR(lane->device);
+    Py_CLEAR(lane->record);
+    Py_CLEAR(lane->queued_post);
+    Py_CLEAR(lane->done_op);
+    Py_CLEAR(lane->nbytes_obj);
+    Py_CLEAR(lane->acquire);
+    Py_CLEAR(lane->release);
+    Py_CLEAR(lane->descr);
+    Py_CLEAR(lane->send);
+    Py_CLEAR(lane->recv);
+    Py_CLEAR(lane->request);
+    return 0;
+}
+
+static void Lane_dealloc(PyObject *self) {
+    PyObject_GC_UnTrack(self);
+    Lane_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyMethodDef Lane_methods[] = {
+    {"start", (PyCFunction)(void (*)(void))Lane_start, METH_FASTCALL, Lane_start_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(Lane_doc,
+"Lane(*, kind, ctx, group, op_key, template, datatype, mpi_op, divide, record, value, per_rank, rows,\n"
+"     spins, queued_post, done_op)\n--\n\n"
+"The compiled lane of one kind of all-reduce (see native/__init__.py's `compiled_lane`).\n\n"
+"kind: COPY (MPI in place on a copy, after the check where there is a record) or CHECK (the\n"
+"input carried in the check). template: an array of the kind's dtype and shape. datatype,\n"
+"mpi_op: the plan's MPI handles. divide: MEAN's division at the end. record, value, per_rank:\n"
+"the check's record (None: no check), agreement hash and per-rank value. rows: the loop that\n"
+"reduces carried rows (`rows_kind`). spins: tests of a check before it is queued.\n"
+"queued_post(out, payload): the op's post when its check is queued. done_op: the completed op\n"
+"that carried calls completed at the call share.");
+
+PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpitensor._collectives.native._lanes.Lane",
+    .tp_basicsize = sizeof(Lane),
+    .tp_dealloc = Lane_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = Lane_doc,
+    .tp_traverse = Lane_traverse,
+    .tp_clear = Lane_clear,
+    .tp_methods = Lane_methods,
+    .tp_init = Lane_init,
+    .tp_new = PyType_GenericNew,
+};

@@ -1,0 +1,135 @@
+/* The module `mpitensor._collectives.native._lanes`: its types, `bind` and `rows_kind`. */
+#define MPITENSOR_NATIVE_MODULE
+#include "native.h"
+
+Constants consts;
+Names names;
+
+int names_init(void) {
+#define NAME(field) \
+    if ((names.field = PyUnicode_InternFromString(#field)) == NULL) return -1
+    NAME(usable);
+    NAME(closed);
+    NAME(owner_thread);
+    NAME(timeout);
+    NAME(engine);
+    NAME(queue);
+    NAME(holder);
+    NAME(posted);
+    NAME(lock);
+    NAME(waiting_groups);
+    NAME(stepping);
+    NAME(check_seq);
+    NAME(checks_posted);
+    NAME(acquire);
+    NAME(release);
+#undef NAME
+    return 0;
+}
+
+static const char *bind_keywords[] = {
+    "mpi", "pointer_handles", "op_class", "tensor_class", "tensor_fields", "handle_class", "handle_fields",
+    "open_contexts", "states", "later", "base_resolve", "agree_stage", "carried", "header_bytes", "payload_bytes",
+    "row_bytes", "reap_after", NULL};
+
+PyDoc_STRVAR(bind_doc,
+"bind(*, mpi, pointer_handles, op_class, tensor_class, tensor_fields, handle_class, handle_fields,\n"
+"     open_contexts, states, later, base_resolve, agree_stage, carried, header_bytes, payload_bytes,\n"
+"     row_bytes, reap_after)\n--\n\n"
+"Bind the module to the running MPI and to the Python classes it works with (once).\n\n"
+"mpi: the mpi4py.MPI module; pointer_handles: whether MPI's handles are pointers. op_class,\n"
+"tensor_class, handle_class: the engine's Op, Tensor and the lane handle class; tensor_fields\n"
+"and handle_fields: their slot descriptors (array, device; op, value, ctx, resolved), which\n"
+"gives C their layout. open_contexts: the stack of open contexts. states: the op states\n"
+"CHECKING .. FAILED. later: the class of values settled by the Python resolve, base_resolve\n"
+"that resolve. The rest: the check's first stage, the carried marker and the row layout, and\n"
+"the count of posted ops beyond which the Python path reaps. The handle class gets the\n"
+"compiled resolve().\n\n"
+"Raises:\n"
+"    RuntimeError: MPI's functions or mpi4py's C API could not be found (the message says which).\n"
+"    TypeError: a class lacks a slot the module reads.");
+
+static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
+    (void)module;
+    PyObject *mpi4py, *op_class, *tensor_class, *tensor_fields, *handle_class, *handle_fields, *contexts, *states;
+    PyObject *later, *base_resolve;
+    int pointer_handles;
+    if (consts.bound) Py_RETURN_NONE;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiLiiii", (char **)bind_keywords, &mpi4py,
+                                     &pointer_handles, &op_class, &tensor_class, &tensor_fields, &handle_class,
+                                     &handle_fields, &PyList_Type, &contexts, &PyTuple_Type, &states, &later,
+                                     &base_resolve, &consts.agree_stage, &consts.carried, &consts.header_bytes,
+                                     &consts.payload_bytes, &consts.row_bytes, &consts.reap_after))
+        return NULL;
+    if (PyTuple_GET_SIZE(states) != 5 || !PyType_Check(later) || !PyCallable_Check(base_resolve) ||
+        consts.header_bytes != 16 || consts.row_bytes != consts.header_bytes + consts.payload_bytes) {
+        PyErr_SetString(PyExc_TypeError, "bind(): five states, a class, a function and a 16-byte header");
+        return NULL;
+    }
+    char why[200] = "";
+    if (mpi_bind(mpi4py, pointer_handles, why, sizeof why) < 0) {
+        PyErr_SetString(PyExc_RuntimeError, why);
+        return NULL;
+    }
+    if (slots_bind(op_class, tensor_class, tensor_fields, handle_class, handle_fields) < 0) return NULL;
+    PyObject *resolve = PyDescr_NewMethod((PyTypeObject *)handle_class, &handle_resolve_def);
+    if (resolve == NULL || PyObject_SetAttrString(handle_class, "resolve", resolve) < 0) {
+        Py_XDECREF(resolve);
+        return NULL;
+    }
+    Py_DECREF(resolve);
+    for (int i = 0; i < 5; i++) consts.states[i] = Py_NewRef(PyTuple_GET_ITEM(states, i));
+    consts.open_contexts = Py_NewRef(contexts);
+    consts.later_type = Py_NewRef(later);
+    consts.base_resolve = Py_NewRef(base_resolve);
+    consts.bound = 1;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(rows_kind_doc,
+"rows_kind(type_num, op_code)\n--\n\n"
+"The loop that reduces carried rows of NumPy type number `type_num` with op `op_code`\n"
+"(SUM 1, PROD 2, MAX 3, MIN 4, BAND 5, BOR 6, BXOR 7), or -1 when this module has none.");
+
+static PyObject *rows_kind_py(PyObject *module, PyObject *args) {
+    (void)module;
+    int type_num, op_code;
+    if (!PyArg_ParseTuple(args, "ii", &type_num, &op_code)) return NULL;
+    return PyLong_FromLong(rows_kind(type_num, op_code));
+}
+
+static PyMethodDef methods[] = {
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_VARARGS | METH_KEYWORDS, bind_doc},
+    {"rows_kind", rows_kind_py, METH_VARARGS, rows_kind_doc},
+    {"forget_lanes", lane_cache_clear, METH_NOARGS,
+     "forget_lanes()\n--\n\nEmpty the cache of lanes started lately (the next calls find them again)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "mpitensor._collectives.native._lanes",
+    "The compiled lane of repeated small all-reduces (see mpitensor/_collectives/native/__init__.py).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__lanes(void) {
+    import_array();
+    if (names_init() < 0) return NULL;
+    consts.empty_tuple = PyTuple_New(0);
+    consts.one = PyLong_FromLong(1);
+    consts.kind_name = PyUnicode_InternFromString("all_reduce");
+    consts.queue_checked = PyUnicode_InternFromString("queue_checked");
+    if (consts.empty_tuple == NULL || consts.one == NULL || consts.kind_name == NULL || consts.queue_checked == NULL)
+        return NULL;
+    if (PyType_Ready(&LaneType) < 0 || PyType_Ready(&DivideType) < 0 || PyType_Ready(&EntryType) < 0) return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) return NULL;
+    if (PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0 ||
+        PyModule_AddObjectRef(module, "Divide", (PyObject *)&DivideType) < 0 ||
+        PyModule_AddObjectRef(module, "Entry", (PyObject *)&EntryType) < 0 ||
+        PyModule_AddIntConstant(module, "COPY", 0) < 0 || PyModule_AddIntConstant(module, "CHECK", 1) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

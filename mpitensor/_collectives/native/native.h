@@ -1,0 +1,136 @@
+/* The compiled lane of repeated small all-reduces: declarations shared by its files.
+ *
+ * The module is bound once, after MPI is initialized (`bind` in module.c): it finds MPI's
+ * functions in the library mpi4py loaded (abi.c), learns the slot layout of the Python
+ * classes whose objects it builds and reads (slots.c), and keeps the constants it needs.
+ * Until then every call takes the Python path.
+ */
+#ifndef MPITENSOR_NATIVE_H
+#define MPITENSOR_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define NPY_NO_DEPRECATED_API NPY_1_23_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL mpitensor_native_ARRAY_API
+#ifndef MPITENSOR_NATIVE_MODULE
+#define NO_IMPORT_ARRAY
+#endif
+#include <numpy/arrayobject.h>
+
+/* ---- MPI, whatever its ABI (abi.c) ------------------------------------------------------
+ * Handles are held as intptr_t: a pointer (Open MPI, the MPI 5 ABI) or an int (MPICH and
+ * its derivatives), which `mpi_pointer_handles` tells; each call casts them back. Requests
+ * live inside mpi4py Request objects, so the Python engine can test and wait on them too.
+ */
+typedef intptr_t mpi_handle;
+
+int mpi_bind(PyObject *mpi4py_module, int pointer_handles, char *why, size_t why_size);
+int mpi_bound(void);
+mpi_handle mpi_comm_of(PyObject *comm);      /* -1 with an exception set if not a Comm */
+mpi_handle mpi_datatype_of(PyObject *datatype);
+mpi_handle mpi_op_of(PyObject *op);
+mpi_handle mpi_byte(void);
+PyObject *mpi_new_request(void);              /* a null mpi4py Request */
+void *mpi_request_slot(PyObject *request);    /* the MPI_Request inside it */
+int mpi_iallreduce_in_place(void *buffer, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm,
+                            void *request);
+int mpi_iallgather_bytes(const void *send, void *recv, int count, mpi_handle comm, void *request);
+int mpi_test(void *request, int *flag);
+int mpi_wait(void *request);
+/* Raise mpi4py's MPI.Exception for error code `code`; returns NULL. */
+PyObject *mpi_raise(int code);
+PyObject *mpi_exception_type(void);
+
+/* ---- the Python classes' slots (slots.c) ------------------------------------------------ */
+typedef struct {
+    PyTypeObject *op_type, *tensor_type, *handle_type;
+    /* Op */
+    Py_ssize_t op_name, op_group, op_nbytes, op_post, op_finish, op_record, op_keep, op_protections,
+        op_exchange, op_compare, op_payload, op_requests, op_stepper, op_state, op_result, op_error,
+        op_check_req, op_check_send, op_check_recv, op_check_stage, op_seq;
+    /* Tensor */
+    Py_ssize_t tensor_array, tensor_device;
+    /* CollectiveTensor */
+    Py_ssize_t handle_op, handle_value, handle_ctx, handle_resolved;
+} Layout;
+
+extern Layout layout;
+int slots_bind(PyObject *op_class, PyObject *tensor_class, PyObject *tensor_fields, PyObject *handle_class,
+               PyObject *handle_fields);
+
+#define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
+
+/* Store `value` (a new reference is taken) in a slot, dropping what it held. */
+static inline void slot_set(PyObject *object, Py_ssize_t offset, PyObject *value) {
+    PyObject *old = SLOT(object, offset);
+    Py_XINCREF(value);
+    SLOT(object, offset) = value;
+    Py_XDECREF(old);
+}
+
+/* Store `value`, stealing the reference; 0, or -1 if `value` is NULL (an error is set). */
+static inline int slot_steal(PyObject *object, Py_ssize_t offset, PyObject *value) {
+    if (value == NULL) return -1;
+    PyObject *old = SLOT(object, offset);
+    SLOT(object, offset) = value;
+    Py_XDECREF(old);
+    return 0;
+}
+
+/* ---- constants the Python side gives at bind time (module.c) --------------------------- */
+typedef struct {
+    PyObject *open_contexts;        /* _core.state.open_contexts, the stack of contexts */
+    PyObject *states[5];            /* the engine's op states as ints: CHECKING .. FAILED */
+    PyObject *empty_tuple, *one, *kind_name;
+    PyObject *later_type;           /* common.Later: a value settled by the Python resolve */
+    PyObject *base_resolve;         /* CollectiveTensor.resolve, the general path */
+    PyObject *queue_checked;        /* the name of Engine.queue_checked */
+    int agree_stage;                /* the check's first stage (engine._AGREE) */
+    long long carried;              /* the per-rank value of a row carrying its input */
+    int header_bytes, payload_bytes, row_bytes;
+    int reap_after;                 /* posted ops beyond which the Python path reaps */
+    int bound;
+} Constants;
+
+extern Constants consts;
+
+enum { CHECKING = 0, QUEUED = 1, POSTED = 2, COMPLETE = 3, FAILED = 4 };
+
+/* Interned attribute names read on every call. */
+typedef struct {
+    PyObject *usable, *closed, *owner_thread, *timeout, *engine, *queue, *holder, *posted, *lock, *waiting_groups,
+        *stepping, *check_seq, *checks_posted, *acquire, *release;
+} Names;
+
+extern Names names;
+int names_init(void);
+
+/* ---- local reductions of carried rows (rows.c) ----------------------------------------- */
+/* The loop reducing `count` elements of type `type_num` with op `op_code` (a ReduceOperation
+ * value), or -1 if this module has none (the Python lane then takes such calls). */
+int rows_kind(int type_num, int op_code);
+/* out = row[0] op row[1] op ... op row[size-1], element by element, in rank order (size >= 2). */
+void rows_reduce(int kind, void *out, const char *rows, int size, int row_bytes, int header_bytes,
+                 Py_ssize_t count);
+/* MEAN's division, in place, as NumPy's true_divide by an int does; 0, or -1 if the dtype has none here. */
+int divide_in_place(int type_num, void *data, Py_ssize_t count, int size);
+
+/* ---- the lane (lane.c), its handle (handle.c), the entry (entry.c) --------------------- */
+extern PyTypeObject LaneType;
+extern PyTypeObject DivideType;
+extern PyTypeObject EntryType;
+PyObject *lane_start(PyObject *lane, PyObject *tensor, PyObject *array);
+int lane_matches(PyObject *lane, PyObject *ctx, PyArrayObject *array, PyObject *op);
+PyObject *lane_context(PyObject *lane); /* borrowed */
+PyObject *lane_cache_clear(PyObject *module, PyObject *unused);
+void lane_cache_insert(PyObject *lane);
+PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op);
+extern PyMethodDef handle_resolve_def;
+
+/* Call `lock.acquire()` / `lock.release()` of the engine (an RLock). */
+int engine_lock(PyObject *acquire);
+void engine_unlock(PyObject *release);
+
+#endif

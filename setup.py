@@ -1,0 +1,33 @@
+"""The build of mpitensor's one compiled part, the lane of repeated small all-reduces.
+
+It is optional: where no C compiler is found (or the build fails), mpitensor installs
+without it and the Python lanes take every call (`python -m mpitensor info` says which).
+The C code needs Python's and NumPy's headers only, not MPI's: it finds MPI's functions at
+run time in the library mpi4py loaded (see mpitensor/_collectives/native/__init__.py).
+"""
+
+from setuptools import Extension, setup
+
+_SOURCES = ["module.c", "abi.c", "slots.c", "rows.c", "lane.c", "finish.c", "entry.c", "handle.c"]
+
+
+def _extensions() -> list[Extension]:
+    try:
+        import numpy
+    except ImportError:  # a build without isolation, and no NumPy: the Python lanes only
+        return []
+    return [
+        Extension(
+            "mpitensor._collectives.native._lanes",
+            sources=[f"mpitensor/_collectives/native/{name}" for name in _SOURCES],
+            depends=["mpitensor/_collectives/native/native.h"],
+            include_dirs=[numpy.get_include()],
+            # Strict IEEE arithmetic: the reductions must give NumPy's bits, never fused or reordered.
+            extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"],
+            libraries=["dl"],
+            optional=True,
+        )
+    ]
+
+
+setup(ext_modules=_extensions())
