@@ -8,7 +8,7 @@ run time in the library mpi4py loaded (see mpitensor/_collectives/native/__init_
 
 from setuptools import Extension, setup
 
-_SOURCES = ["module.c", "abi.c", "slots.c", "rows.c", "lane.c", "finish.c", "entry.c", "handle.c"]
+_SOURCES = ["module.c", "abi.c", "slots.c", "rows.c", "lane.c", "finish.c", "entry.c", "handle.c", "leaves.c"]
 
 
 def _extensions() -> list[Extension]:

@@ -11,7 +11,8 @@
 # of each run writes to the terminal and to logs/<venv>/<run>/rank-0.log, the others to
 # rank-K.log beside it; a failing run prints the others' last lines. The script ends with a
 # recap of every run (the last lines of a long CI log are often all that is kept): its
-# status, and the failed tests and dumped stacks of the runs that failed.
+# status, and the failed tests and dumped stacks of the runs that failed. After the runs at
+# each size, one more at 2 ranks has the compiled lane switched off (MPITENSOR_NATIVE=0).
 set -uo pipefail
 venv=${1:?usage: run-tests.sh VENV [NP...]}
 shift
@@ -73,6 +74,9 @@ for n in "${sizes[@]}"; do
   run "mpiexec -n $n" "logs/$name/np$n" scripts/mpirun.sh --venv "$venv" -n "$n" \
     "$py" scripts/pytest_rank.py "${pytest_args[@]}" -m mpi
 done
+# The compiled lane switched off: the Python lanes and loops take every call they would take.
+run "mpiexec -n 2, compiled lane off" "logs/$name/np2-python" env MPITENSOR_NATIVE=0 \
+  scripts/mpirun.sh --venv "$venv" -n 2 "$py" scripts/pytest_rank.py "${pytest_args[@]}" -m mpi
 
 echo "=== $name: recap"
 for line in "${recap[@]}"; do

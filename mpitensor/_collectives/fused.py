@@ -32,6 +32,7 @@ from .._transport.buckets import post_buckets, shared_bucket
 from .._transport.gpu.after_event import AfterEvent
 from .common import PLAIN_DTYPES, CollectiveTensor, check_record, follow, start, take_input
 from .gpu_staged import gpu_fused_all_reduce
+from .native import leaf_loops
 from .options import make_record, scale_factors, scale_options
 
 __all__ = ["Bucket", "flatten", "fused_all_reduce", "plan_buckets", "rebuild", "start_buckets", "structure_hash"]
@@ -213,6 +214,10 @@ def _plain_host_leaves(values: list[Any], host: Any) -> tuple[list[np.ndarray], 
     That is the usual case (gradients), and it needs neither copies nor `take_input`'s
     checks; anything else returns None and goes the general way.
     """
+    loops = leaf_loops()
+    found = None if loops is None else loops.plain_leaves(values, host, PLAIN_DTYPES)
+    if found is not None:  # one dtype: the compiled loop's usual case
+        return found
     # Each test runs over every leaf (hundreds per call) inside one C call.
     arrays, devices = unwrap_leaves(values, host)
     if (
@@ -246,15 +251,22 @@ def _start_fused(
     plans = [by_dtype[dtype] for dtype in dtypes] if len(by_dtype) > 1 else [*by_dtype.values()] * len(buffers)
     sizes = list(map(_SIZE, buffers))
     buckets = plan_buckets(sizes, plans, bucket_bytes or ctx.config.bucket_bytes)
-    sends, recvs, shared, views = _pack(ctx, group, buckets, buffers)
+    # One bucket of the inputs' own dtype (the usual case): packed and unpacked by compiled loops.
+    loops = leaf_loops() if len(buckets) == 1 and len(by_dtype) == 1 and dtypes[0] == plans[0].work_dtype else None
+    sends, recvs, shared = _pack(ctx, group, buckets, buffers, loops)
     rounding: list[tuple[np.ndarray, np.ndarray]] = []  # half precision: (float32 view, result)
-    if any(plan.rounds_back for plan in by_dtype.values()):
-        for index, plan in enumerate(plans):
-            if plan.rounds_back:
-                final = ctx.pool.empty(buffers[index].shape, plan.out_dtype)
-                rounding.append((views[index], final))
-                views[index] = final
-    result = rebuild(structure, keys, wrap_arrays(views, devices))
+    if loops is not None:
+        tensors = loops.unpack(recvs[0], buffers, devices)
+    else:
+        views = _views(buckets, recvs, buffers)
+        if any(plan.rounds_back for plan in by_dtype.values()):
+            for index, plan in enumerate(plans):
+                if plan.rounds_back:
+                    final = ctx.pool.empty(buffers[index].shape, plan.out_dtype)
+                    rounding.append((views[index], final))
+                    views[index] = final
+        tensors = wrap_arrays(views, devices)
+    result = rebuild(structure, keys, tensors)
     # Hashing the structure costs per tensor: only a checked call needs it.
     checked = ctx.config.check and group.size > 1
     scales, options = _bucket_scales(buckets, by_dtype, factors)
@@ -266,35 +278,43 @@ def _start_fused(
 
 
 def _pack(
-    ctx: DistributedContext, group: Group, buckets: Sequence[Bucket], buffers: list[np.ndarray]
-) -> tuple[list[np.ndarray], list[np.ndarray], list[ReduceCall | None], list[np.ndarray]]:
+    ctx: DistributedContext, group: Group, buckets: Sequence[Bucket], buffers: list[np.ndarray], loops: Any = None
+) -> tuple[list[np.ndarray], list[np.ndarray], list[ReduceCall | None]]:
     """Pack `buffers` into their buckets, and take each bucket's result buffer.
+
+    Args:
+        loops: the compiled leaf loops, for one bucket of the inputs' own dtype; None: NumPy packs.
 
     Returns:
         Each bucket's packed input and result buffer, and its shared-memory call (None: MPI
-        reduces it); then each tensor's view of its bucket's result, in the order of `buffers`.
+        reduces it).
     """
     sends, recvs, shared = [], [], []
     whole = len(buckets) == 1  # the usual case: one bucket holds every tensor, in order
-    views: list[Any] = [] if whole else [None] * len(buffers)
     for bucket in buckets:
         dtype = bucket.plan.work_dtype
         send = ctx.pool.empty((bucket.elements,), dtype)
         parts = buffers if whole else [buffers[i] for i in bucket.members]
-        # One C call packs the bucket, flattening each input itself (axis=None).
-        np.concatenate(parts, axis=None, out=send, casting="unsafe")
+        if loops is not None:
+            loops.pack(parts, send)
+        else:  # one C call packs the bucket, flattening each input itself (axis=None)
+            np.concatenate(parts, axis=None, out=send, casting="unsafe")
         call = shared_bucket(ctx, group, send, bucket.plan)
-        out = ctx.pool.empty((bucket.elements,), dtype) if call is None else call.out
-        unpacked = _unpack(out, parts, bucket.offsets)
-        if whole:
-            views = unpacked
-        else:
-            for index, view in zip(bucket.members, unpacked):
-                views[index] = view
         sends.append(send)
-        recvs.append(out)
+        recvs.append(ctx.pool.empty((bucket.elements,), dtype) if call is None else call.out)
         shared.append(call)
-    return sends, recvs, shared, views
+    return sends, recvs, shared
+
+
+def _views(buckets: Sequence[Bucket], recvs: Sequence[np.ndarray], buffers: list[np.ndarray]) -> list[np.ndarray]:
+    """Each tensor's view of its bucket's result, in the order of `buffers`."""
+    if len(buckets) == 1:
+        return _unpack(recvs[0], buffers, buckets[0].offsets)
+    views: list[Any] = [None] * len(buffers)
+    for bucket, out in zip(buckets, recvs):
+        for index, view in zip(bucket.members, _unpack(out, [buffers[i] for i in bucket.members], bucket.offsets)):
+            views[index] = view
+    return views
 
 
 def _unpack(out: np.ndarray, parts: list[np.ndarray], offsets: list[int]) -> list[np.ndarray]:

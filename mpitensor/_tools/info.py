@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .._collectives import native
 from .._core import mpi as _mpi
 from .._runtime.context import DistributedContext, local_rank_env_check
 
@@ -44,6 +45,7 @@ def collect(ctx: DistributedContext) -> list[dict[str, Any]]:
         "slurm": slurm,
         "local_rank_note": local_rank_env_check(ctx),
         "pid": os.getpid(),
+        "compiled": native.status(bind=True),
     }
     return ctx.comm.allgather(row)
 
@@ -76,6 +78,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     if rows and rows[0]["slurm"].get("SLURM_JOB_ID"):
         slurm = rows[0]["slurm"]
         lines.append(f"Slurm job {slurm['SLURM_JOB_ID']}, {slurm.get('SLURM_NTASKS', '?')} task(s)")
+    compiled = {row["compiled"] for row in rows}
+    if len(compiled) == 1:
+        lines.append(f"compiled lane of small all-reduces: {compiled.pop()}")
+    else:
+        lines.extend(f"compiled lane on rank {row['rank']}: {row['compiled']}" for row in rows)
     for row in rows:
         if row["local_rank_note"]:
             lines.append(f"note: rank {row['rank']}: {row['local_rank_note']}")

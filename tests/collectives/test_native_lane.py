@@ -241,3 +241,27 @@ def test_nested_contexts_keep_their_own_lanes():
             assert type(got) is LaneTensor and got.resolve().numpy().tolist() == [float(outer.size)] * 2
         assert _compiled(outer, np.float64, (2,), None) is outer_lane
         still_usable(outer)
+
+
+@needs_compiled
+@pytest.mark.parametrize("check", [False, True])
+def test_fused_leaves_packed_and_unpacked_by_the_compiled_loops(check):
+    """One bucket of one dtype: Tensor results that view one buffer, NumPy's sums, in the input's structure."""
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)) as ctx:
+        shapes = [(3,), (), (2, 2), (0,), (5, 1)] * 4
+        for turn in range(2):
+            inputs = [[rank_input(seed_of("fused", check, turn, i), r, shape, np.float64)
+                       for i, shape in enumerate(shapes)] for r in range(ctx.size)]
+            mine = [mt.from_numpy(a.copy()) if i % 2 else a.copy() for i, a in enumerate(inputs[ctx.rank])]
+            pending = mt.all_reduce(mine)
+            for leaf in mine:
+                (leaf.numpy() if isinstance(leaf, mt.Tensor) else leaf)[...] = 0  # packed at the call
+            got = pending.resolve()
+            ok = type(got) is list and len(got) == len(shapes) and all(isinstance(t, mt.Tensor) for t in got)
+            ok = ok and all(t.device == ctx.cpu_device for t in got)
+            bases = {id(np.asarray(t.numpy()).base) for t in got if t.size}
+            ok = ok and len(bases) == 1 and all(
+                t.shape == s and np.allclose(t.numpy(), sum(a[i] for a in inputs), rtol=1e-12, atol=1e-12)
+                for i, (t, s) in enumerate(zip(got, shapes)))
+            agree(bool(ok), f"call {turn}: {[t.numpy() for t in got] if isinstance(got, list) else got}")
+        still_usable(ctx)

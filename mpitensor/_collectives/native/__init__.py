@@ -53,7 +53,7 @@ except ImportError as _error:  # built without a compiler, or for another interp
     _lanes = None
     _BUILD_ERROR = str(_error)
 
-__all__ = ["LaneTensor", "compiled_lane", "front", "status"]
+__all__ = ["LaneTensor", "compiled_lane", "front", "leaf_loops", "status"]
 
 # ReduceOperation to the C loops' op codes (MEAN reduces as SUM, then divides).
 _OP_CODES = {
@@ -139,8 +139,23 @@ def _bind() -> bool:
     return True
 
 
-def status() -> str:
-    """The compiled lane's state in a few words: "on", or why the Python lanes take every call."""
+def leaf_loops() -> Any:
+    """The fused all-reduce's compiled per-leaf loops (`plain_leaves`, `pack`, `unpack`), or None.
+
+    They build `Tensor`s, whose layout the module learns when bound: None until then, and
+    where it cannot be.
+    """
+    return _lanes if _binding.why == "" or (not _binding.tried and _bind()) else None
+
+
+def status(bind: bool = False) -> str:
+    """The compiled lane's state in a few words: "on", or why the Python lanes take every call.
+
+    Args:
+        bind: bind the module first if no lane has yet (MPI must be initialized).
+    """
+    if bind:
+        _bind()
     if not _binding.tried and _lanes is not None:
         return "built, not bound yet"
     return "on" if _binding.why == "" else _binding.why

@@ -101,6 +101,9 @@ static PyObject *rows_kind_py(PyObject *module, PyObject *args) {
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_VARARGS | METH_KEYWORDS, bind_doc},
     {"rows_kind", rows_kind_py, METH_VARARGS, rows_kind_doc},
+    {"plain_leaves", (PyCFunction)(void (*)(void))plain_leaves, METH_FASTCALL, plain_leaves_doc},
+    {"pack", (PyCFunction)(void (*)(void))pack_leaves, METH_FASTCALL, pack_doc},
+    {"unpack", (PyCFunction)(void (*)(void))unpack_leaves, METH_FASTCALL, unpack_doc},
     {"forget_lanes", lane_cache_clear, METH_NOARGS,
      "forget_lanes()\n--\n\nEmpty the cache of lanes started lately (the next calls find them again)."},
     {NULL, NULL, 0, NULL},

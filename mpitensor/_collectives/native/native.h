@@ -128,6 +128,13 @@ PyObject *lane_cache_clear(PyObject *module, PyObject *unused);
 void lane_cache_insert(PyObject *lane);
 PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op);
 extern PyMethodDef handle_resolve_def;
+PyObject *make_tensor(PyObject *array, PyObject *device);
+
+/* ---- a fused all-reduce's leaves (leaves.c) ---------------------------------------------- */
+PyObject *plain_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *pack_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *unpack_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+extern const char plain_leaves_doc[], pack_doc[], unpack_doc[];
 
 /* Call `lock.acquire()` / `lock.release()` of the engine (an RLock). */
 int engine_lock(PyObject *acquire);
