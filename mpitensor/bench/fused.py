@@ -3,8 +3,9 @@
 ``mpitensor.all_reduce([t0, t1, ...])`` packs the tensors into buckets and all-reduces each
 bucket once. Beside it, in the same run: one ``all_reduce`` per tensor (all started, then all
 resolved), with the consistency check on and off, and two raw mpi4py references: one
-``Iallreduce`` per tensor then ``Waitall``, and a single ``Iallreduce`` of an already packed
-buffer (no packing cost: the floor).
+``Iallreduce`` per tensor then ``Waitall``, a single ``Iallreduce`` of an already packed
+buffer (no packing cost: the floor), and the same after packing the tensors in each call
+(``numpy.concatenate``, the work a fused call must do).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = ["format_fused", "run_fused"]
 _LABELS = {
     "raw_separate": "raw mpi4py: one Iallreduce per tensor, then Waitall",
     "raw_packed": "raw mpi4py: one Iallreduce of a packed buffer (no packing)",
+    "raw_pack_each": "raw mpi4py: numpy.concatenate into a buffer, then one Iallreduce of it",
     "separate_checked": "mpitensor: one all_reduce per tensor, check on",
     "fused_checked": "mpitensor: all_reduce(list), check on",
     "separate": "mpitensor: one all_reduce per tensor, check off",
@@ -91,6 +93,7 @@ class _Tensors:
         self.recvs = [np.empty_like(a) for a in self.arrays]
         self.packed = np.concatenate(self.arrays)
         self.packed_out = np.empty_like(self.packed)
+        self.refill = np.empty_like(self.packed)
         self.tensors = [from_numpy(a.copy()) for a in self.arrays]
 
 
@@ -101,6 +104,13 @@ def _time_raw(timing: Timing, comm: Any, data: _Tensors, samples: dict[str, list
         [comm.Iallreduce(a, b, MPI.SUM) for a, b in zip(arrays, recvs)])))
     samples["raw_packed"].append(timing.batch("raw_packed", lambda: comm.Iallreduce(
         packed, packed_out, MPI.SUM).Wait()))
+    refill = data.refill
+
+    def pack_each() -> None:
+        np.concatenate(arrays, out=refill)
+        comm.Iallreduce(refill, packed_out, MPI.SUM).Wait()
+
+    samples["raw_pack_each"].append(timing.batch("raw_pack_each", pack_each))
 
 
 def _time_mt(timing: Timing, tensors: list[Any], suffix: str, check: bool, samples: dict[str, list[float]],

@@ -3,6 +3,9 @@
 For every size (float32 sum), in the same run and interleaved round by round:
 
 - ``raw``: mpi4py ``Iallreduce`` + ``Wait`` on the same buffers (the baseline of every ratio);
+- ``raw_written``: the same, its input written (copied from another array) before each call,
+  as a program's freshly computed input is: where MPI's peers read it from this rank's memory
+  (Open MPI's single-copy transfers), that costs more than reading a buffer nobody writes;
 - ``mt``: ``mpitensor.all_reduce(t).resolve()``, consistency check off, default data path
   (the shared-memory fast path where it applies);
 - ``mt_checked``: the same with the consistency check on (the default configuration);
@@ -47,9 +50,10 @@ from ._common import (
 
 __all__ = ["LABELS", "VARIANTS", "format_sweep", "plot_sweep", "run_sweep"]
 
-VARIANTS = ("raw", "mt", "mt_checked", "mt_plain", "mt_noprogress", "pickle", "gloo", "memcpy")
+VARIANTS = ("raw", "raw_written", "mt", "mt_checked", "mt_plain", "mt_noprogress", "pickle", "gloo", "memcpy")
 LABELS = {
     "raw": "raw mpi4py Iallreduce+Wait",
+    "raw_written": "raw mpi4py, its input written before each call",
     "mt": "mpitensor all_reduce+resolve (check off)",
     "mt_checked": "mpitensor all_reduce+resolve (check on)",
     "mt_plain": "mpitensor, check off, shared memory off",
@@ -171,6 +175,14 @@ class _Buffers:
         send, recv = self.send, self.recv
         if variant == "raw":
             return lambda: comm.Iallreduce(send, recv, MPI.SUM).Wait()
+        if variant == "raw_written":
+            written = self.copy
+
+            def rewritten() -> None:
+                np.copyto(written, send)
+                comm.Iallreduce(written, recv, MPI.SUM).Wait()
+
+            return rewritten
         if variant == "pickle":
             return lambda: comm.allreduce(send, op=MPI.SUM)
         if variant == "gloo":

@@ -42,7 +42,7 @@ from ..._core import state
 from ..._core.config import ReduceOperation
 from ..._core.mpi import MPI, pointer_handles
 from ..._core.tensor import TENSOR_FIELDS, Tensor
-from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, STATES, Op
+from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, SPIN_PAUSES, STATES, Op
 from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried
 from ..._transport.mpi import in_place
 from ..common import HANDLE_FIELDS, CollectiveTensor, Later
@@ -130,7 +130,7 @@ def _bind() -> bool:
             handle_class=LaneTensor, handle_fields=HANDLE_FIELDS, open_contexts=state.open_contexts,
             states=STATES, later=Later, base_resolve=CollectiveTensor.resolve, agree_stage=AGREE_STAGE,
             carried=CARRIED, header_bytes=HEADER_BYTES, payload_bytes=PAYLOAD_BYTES, row_bytes=ROW_BYTES,
-            reap_after=REAP_AFTER,
+            reap_after=REAP_AFTER, spin_pauses=SPIN_PAUSES,
         )
     except (RuntimeError, TypeError) as exc:
         _binding.why = f"cannot bind to this MPI: {exc}"

@@ -12,7 +12,12 @@
  */
 #include "native.h"
 
-#define SPINS 256 /* tests before waiting in MPI_Wait, or handing over to the Python resolve */
+/* Tests before waiting in MPI_Wait (or handing over to the Python resolve): a few microseconds
+ * where each rank has a core (a small message usually completes meanwhile, and MPI_Wait then
+ * costs the release of the GIL); one where ranks outnumber cores, whose MPI_Test may yield
+ * the core each time (MPICH's does). */
+#define SPINS 64
+#define OVERSUBSCRIBED_SPINS 1
 
 static PyObject *general(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *call[3] = {NULL, self, NULL};
@@ -78,7 +83,7 @@ static int complete(PyObject *op) {
 }
 
 /* Wait for the op's one request under the engine's lock; 1 done, 0 left to the Python resolve, -1 error. */
-static int wait_posted(PyObject *op, PyObject *engine, int may_block) {
+static int wait_posted(PyObject *op, PyObject *engine, int may_block, int spins) {
     PyObject *requests = SLOT(op, layout.op_requests), *protections = SLOT(op, layout.op_protections);
     if (state_of(op) != POSTED || requests == NULL || !PyList_CheckExact(requests) ||
         PyList_GET_SIZE(requests) != 1 || protections != consts.empty_tuple)
@@ -88,7 +93,7 @@ static int wait_posted(PyObject *op, PyObject *engine, int may_block) {
     void *slot = mpi_request_slot(PyList_GET_ITEM(requests, 0));
     if (slot == NULL) return -1;
     int flag = 0, code = 0;
-    for (int spin = 0; spin < SPINS && !flag && code == 0; spin++) code = mpi_test(slot, &flag);
+    for (int spin = 0; spin < spins && !flag && code == 0; spin++) code = mpi_test(slot, &flag);
     if (!flag && code == 0) {
         if (!may_block) return 0;
         Py_BEGIN_ALLOW_THREADS
@@ -107,6 +112,16 @@ static int wait_posted(PyObject *op, PyObject *engine, int may_block) {
     }
     if (remove_posted(engine, op) < 0 || complete(op) < 0) return -1;
     return 1;
+}
+
+/* How many times to test before waiting: `SPINS`, or `OVERSUBSCRIBED_SPINS` where the engine
+ * waits as on a node with more ranks than cores. */
+static int spins_for(PyObject *engine) {
+    PyObject *pauses = PyObject_GetAttr(engine, names.spin_pauses);
+    long value = pauses == NULL ? -1 : PyLong_AsLong(pauses);
+    Py_XDECREF(pauses);
+    PyErr_Clear();
+    return value >= 0 && value < consts.spin_pauses ? OVERSUBSCRIBED_SPINS : SPINS;
 }
 
 static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
@@ -130,7 +145,7 @@ static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyObject *acquire = lock == NULL ? NULL : PyObject_GetAttr(lock, names.acquire);
         PyObject *release = lock == NULL ? NULL : PyObject_GetAttr(lock, names.release);
         if (acquire != NULL && release != NULL && engine_lock(acquire) == 0) {
-            done = wait_posted(op, engine, timeout == Py_None);
+            done = wait_posted(op, engine, timeout == Py_None, spins_for(engine));
             engine_unlock(release);
         }
         Py_XDECREF(lock);

@@ -24,7 +24,9 @@
 #include "native.h"
 
 #include <pythread.h>
+#include <sched.h>
 #include <string.h>
+#include <time.h>
 
 enum { LANE_COPY = 0, LANE_CHECK = 1 };
 
@@ -201,6 +203,30 @@ static void broken(Lane *lane, int code, PyObject *op) {
     Py_DECREF(error);
 }
 
+/* Where ranks outnumber cores, the peers a check waits for need this core: yield it between
+ * tests, for at most YIELD_NS, as the Python engine's wait for a check does (`Backoff`); only
+ * a check still in flight after that goes to the Python engine. The GIL is released while
+ * yielding; the engine's lock stays held, which only keeps other threads' resolve() and
+ * test() out for that long (nothing else may post meanwhile: only this thread calls
+ * collectives). */
+#define SPINS_WITH_A_CORE 64
+#define YIELD_NS 2000000
+
+static int yield_until_done(void *slot, int *flag) {
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    int code = 0;
+    do {
+        Py_BEGIN_ALLOW_THREADS
+        sched_yield();
+        Py_END_ALLOW_THREADS
+        code = mpi_test(slot, flag);
+        clock_gettime(CLOCK_MONOTONIC, &now);
+    } while (code == 0 && !*flag &&
+             (now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) < YIELD_NS);
+    return code;
+}
+
 /* Post the check's all-gather of `row` into `rows` as `Engine._post_check` does (the group's
  * check number in *seq), then spin on it. 1: every row says what this rank's says (the same
  * call, and for a carried call each row carrying its input): agreed at once. 0: posted, not
@@ -221,6 +247,7 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
     int flag = 0;
     for (int spin = 0; spin < lane->spins && !flag; spin++)
         if (mpi_test(slot, &flag) != 0) return 0; /* the Python engine tests it again and reports */
+    if (!flag && lane->spins < SPINS_WITH_A_CORE && yield_until_done(slot, &flag) != 0) return 0;
     if (!flag) return 0;
     for (int member = 0; member < lane->size; member++)
         if (memcmp(rows + (size_t)member * consts.row_bytes, row, (size_t)consts.header_bytes) != 0) return 0;

@@ -23,6 +23,7 @@ int names_init(void) {
     NAME(checks_posted);
     NAME(acquire);
     NAME(release);
+    NAME(spin_pauses);
 #undef NAME
     return 0;
 }
@@ -30,21 +31,22 @@ int names_init(void) {
 static const char *bind_keywords[] = {
     "mpi", "pointer_handles", "op_class", "tensor_class", "tensor_fields", "handle_class", "handle_fields",
     "open_contexts", "states", "later", "base_resolve", "agree_stage", "carried", "header_bytes", "payload_bytes",
-    "row_bytes", "reap_after", NULL};
+    "row_bytes", "reap_after", "spin_pauses", NULL};
 
 PyDoc_STRVAR(bind_doc,
 "bind(*, mpi, pointer_handles, op_class, tensor_class, tensor_fields, handle_class, handle_fields,\n"
 "     open_contexts, states, later, base_resolve, agree_stage, carried, header_bytes, payload_bytes,\n"
-"     row_bytes, reap_after)\n--\n\n"
+"     row_bytes, reap_after, spin_pauses)\n--\n\n"
 "Bind the module to the running MPI and to the Python classes it works with (once).\n\n"
 "mpi: the mpi4py.MPI module; pointer_handles: whether MPI's handles are pointers. op_class,\n"
 "tensor_class, handle_class: the engine's Op, Tensor and the lane handle class; tensor_fields\n"
 "and handle_fields: their slot descriptors (array, device; op, value, ctx, resolved), which\n"
 "gives C their layout. open_contexts: the stack of open contexts. states: the op states\n"
 "CHECKING .. FAILED. later: the class of values settled by the Python resolve, base_resolve\n"
-"that resolve. The rest: the check's first stage, the carried marker and the row layout, and\n"
-"the count of posted ops beyond which the Python path reaps. The handle class gets the\n"
-"compiled resolve().\n\n"
+"that resolve. The rest: the check's first stage, the carried marker and the row layout, the\n"
+"count of posted ops beyond which the Python path reaps, and the engine's spin_pauses where\n"
+"each rank has a core (fewer: more ranks than cores). The handle class gets the compiled\n"
+"resolve().\n\n"
 "Raises:\n"
 "    RuntimeError: MPI's functions or mpi4py's C API could not be found (the message says which).\n"
 "    TypeError: a class lacks a slot the module reads.");
@@ -55,11 +57,12 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     PyObject *later, *base_resolve;
     int pointer_handles;
     if (consts.bound) Py_RETURN_NONE;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiLiiii", (char **)bind_keywords, &mpi4py,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiLiiiii", (char **)bind_keywords, &mpi4py,
                                      &pointer_handles, &op_class, &tensor_class, &tensor_fields, &handle_class,
                                      &handle_fields, &PyList_Type, &contexts, &PyTuple_Type, &states, &later,
                                      &base_resolve, &consts.agree_stage, &consts.carried, &consts.header_bytes,
-                                     &consts.payload_bytes, &consts.row_bytes, &consts.reap_after))
+                                     &consts.payload_bytes, &consts.row_bytes, &consts.reap_after,
+                                     &consts.spin_pauses))
         return NULL;
     if (PyTuple_GET_SIZE(states) != 5 || !PyType_Check(later) || !PyCallable_Check(base_resolve) ||
         consts.header_bytes != 16 || consts.row_bytes != consts.header_bytes + consts.payload_bytes) {

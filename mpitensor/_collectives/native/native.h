@@ -91,6 +91,7 @@ typedef struct {
     long long carried;              /* the per-rank value of a row carrying its input */
     int header_bytes, payload_bytes, row_bytes;
     int reap_after;                 /* posted ops beyond which the Python path reaps */
+    int spin_pauses;                /* Engine.spin_pauses where each rank has a core */
     int bound;
 } Constants;
 
@@ -101,7 +102,7 @@ enum { CHECKING = 0, QUEUED = 1, POSTED = 2, COMPLETE = 3, FAILED = 4 };
 /* Interned attribute names read on every call. */
 typedef struct {
     PyObject *usable, *closed, *owner_thread, *timeout, *engine, *queue, *holder, *posted, *lock, *waiting_groups,
-        *stepping, *check_seq, *checks_posted, *acquire, *release;
+        *stepping, *check_seq, *checks_posted, *acquire, *release, *spin_pauses;
 } Names;
 
 extern Names names;
