@@ -12,6 +12,12 @@
 #include <Python.h>
 #include <stdint.h>
 
+/* The lane relies on the GIL to keep its calls apart from other threads' Python code (the
+ * engine's lock guards the rest): a build without it gets the Python lanes. */
+#ifdef Py_GIL_DISABLED
+#error "the compiled lane needs an interpreter with the GIL"
+#endif
+
 #define NPY_NO_DEPRECATED_API NPY_1_23_API_VERSION
 #define PY_ARRAY_UNIQUE_SYMBOL mpitensor_native_ARRAY_API
 #ifndef MPITENSOR_NATIVE_MODULE
