@@ -265,3 +265,27 @@ def test_fused_leaves_packed_and_unpacked_by_the_compiled_loops(check):
                 for i, (t, s) in enumerate(zip(got, shapes)))
             agree(bool(ok), f"call {turn}: {[t.numpy() for t in got] if isinstance(got, list) else got}")
         still_usable(ctx)
+
+
+@needs_compiled
+@pytest.mark.parametrize("check", [False, True])
+def test_numbers_and_torch_tensors_on_the_compiled_lane(check):
+    """Numbers and CPU torch tensors start on the compiled lane of their array and come back in their kind."""
+    torch = pytest.importorskip("torch")
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)) as ctx:
+        for make, dtype, shape in ((float, np.float64, ()), (int, np.int64, ()), (np.float32, np.float32, ()),
+                                   (torch.from_numpy, np.float32, (3,))):
+            for turn in range(4):
+                inputs = [rank_input(seed_of("kinds", check, turn, str(dtype)), r, shape, dtype)
+                          for r in range(ctx.size)]
+                mine = inputs[ctx.rank].copy()
+                value = make(mine) if shape else make(mine[()])
+                pending = mt.all_reduce(value)
+                got = pending.resolve()
+                expected = reference(OP.SUM, inputs)
+                ok = type(got) is type(value) and np.allclose(np.asarray(got), expected, rtol=1e-6)
+                ok = ok and got is pending.resolve()
+                if turn == 3:
+                    ok = ok and type(pending) is LaneTensor
+                agree(bool(ok), f"{type(value).__name__}, call {turn}: {got!r} vs {expected!r}")
+        still_usable(ctx)

@@ -18,7 +18,10 @@ Two kinds of call have one, when their lane's plan allows it (`compiled_lane`):
   check's row, the rows reduced at the call when they all agree (C loops that do what
   NumPy's ufuncs do, in the same order: the same bits as the Python lane's reduction).
 
-MEAN's division is compiled for float32 and float64; other MEAN lanes stay Python.
+MEAN's division is compiled for float32 and float64; other MEAN lanes stay Python. A Python
+number, NumPy scalar or CPU torch tensor takes the compiled lane of the array
+`interop.take_quickly` gives for it, as on the Python lanes, and its result comes back in its
+own kind (a `Convert` on the handle, which the compiled resolve settles as the Python one does).
 
 The C code calls MPI without MPI's headers (one build serves Open MPI, MPICH and their
 kin): it finds ``MPI_Iallreduce``, ``MPI_Iallgather``, ``MPI_Test`` and ``MPI_Wait`` in the
@@ -40,12 +43,13 @@ import numpy as np
 
 from ..._core import state
 from ..._core.config import ReduceOperation
+from ..._core.interop import take_quickly
 from ..._core.mpi import MPI, pointer_handles
 from ..._core.tensor import TENSOR_FIELDS, Tensor
 from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, SPIN_PAUSES, STATES, Op
 from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried
-from ..._transport.mpi import in_place
-from ..common import HANDLE_FIELDS, CollectiveTensor, Later
+from ..._transport.mpi import SMALL_BYTES, in_place
+from ..common import HANDLE_FIELDS, CollectiveTensor, Convert, Later
 
 try:
     from . import _lanes
@@ -130,7 +134,8 @@ def _bind() -> bool:
             handle_class=LaneTensor, handle_fields=HANDLE_FIELDS, open_contexts=state.open_contexts,
             states=STATES, later=Later, base_resolve=CollectiveTensor.resolve, agree_stage=AGREE_STAGE,
             carried=CARRIED, header_bytes=HEADER_BYTES, payload_bytes=PAYLOAD_BYTES, row_bytes=ROW_BYTES,
-            reap_after=REAP_AFTER, spin_pauses=SPIN_PAUSES,
+            reap_after=REAP_AFTER, spin_pauses=SPIN_PAUSES, take_quickly=take_quickly, small_bytes=SMALL_BYTES,
+            convert=Convert,
         )
     except (RuntimeError, TypeError) as exc:
         _binding.why = f"cannot bind to this MPI: {exc}"

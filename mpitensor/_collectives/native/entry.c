@@ -71,6 +71,30 @@ static int parse_call(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
     return 1;
 }
 
+/* A Python number, NumPy scalar or CPU torch tensor: the call on the compiled lane of the
+ * array `take_quickly` gives for it, its handle giving the result back in the input's kind
+ * (as `follow` makes it); None where it has none. */
+static PyObject *on_lane_of_array(PyObject *ctx, PyObject *input, PyObject *op) {
+    PyObject *taken = PyObject_CallFunctionObjArgs(consts.take_quickly, input, consts.small_bytes, NULL);
+    if (taken == NULL) {
+        PyErr_Clear(); /* the general path takes the value again, and says what is wrong with it */
+        Py_RETURN_NONE;
+    }
+    if (taken == Py_None) return taken;
+    PyObject *array = PyTuple_GET_ITEM(taken, 0), *back = PyTuple_GET_ITEM(taken, 1);
+    PyObject *lane = PyArray_CheckExact(array) && PyArray_IS_C_CONTIGUOUS((PyArrayObject *)array)
+                         ? lane_cache_find(ctx, (PyArrayObject *)array, op)
+                         : NULL;
+    PyObject *handle = lane == NULL ? Py_NewRef(Py_None) : lane_start(lane, Py_None, array);
+    if (handle != NULL && handle != Py_None) {
+        PyObject *convert = PyObject_CallFunctionObjArgs(consts.convert_type, SLOT(handle, layout.handle_value), back,
+                                                         NULL);
+        if (slot_steal(handle, layout.handle_value, convert) < 0) Py_CLEAR(handle);
+    }
+    Py_DECREF(taken);
+    return handle;
+}
+
 /* The call on its compiled lane: a new handle, NULL with an error, or None to go the general way. */
 static PyObject *on_lane(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *input, *op, *devices;
@@ -82,6 +106,10 @@ static PyObject *on_lane(PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
     if (Py_IS_TYPE(input, layout.tensor_type)) {
         tensor = input;
         array = SLOT(input, layout.tensor_array);
+    } else if (!PyArray_CheckExact(input)) {
+        /* Lists, tuples and dicts are fused all-reduces; anything else may have an array. */
+        if (PyList_Check(input) || PyTuple_Check(input) || PyDict_Check(input)) Py_RETURN_NONE;
+        return on_lane_of_array(ctx, input, op);
     }
     if (array == NULL || !PyArray_CheckExact(array)) Py_RETURN_NONE;
     PyObject *lane = lane_cache_find(ctx, (PyArrayObject *)array, op);
@@ -147,7 +175,8 @@ PyDoc_STRVAR(Entry_doc,
 "Entry(general)\n--\n\n"
 "A callable that starts a call on its compiled lane when it has one, else calls `general`.\n\n"
 "Calls of the form all_reduce(input, op=None, devices=None) with devices None, on a NumPy\n"
-"array or a Tensor of a kind whose lane the cache holds, start there; every other call, and\n"
+"array or a Tensor of a kind whose lane the cache holds (or on a number, NumPy scalar or CPU\n"
+"torch tensor whose array `take_quickly` gives is of such a kind), start there; every other call, and\n"
 "every call the lane declines, is `general(*args, **kwargs)`. Attributes such as __doc__ and\n"
 "__wrapped__ can be set on it (functools.update_wrapper).");
 

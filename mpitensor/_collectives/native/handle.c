@@ -124,19 +124,29 @@ static int spins_for(PyObject *engine) {
     return value >= 0 && value < consts.spin_pauses ? OVERSUBSCRIBED_SPINS : SPINS;
 }
 
+/* The handle resolved: its value, settled first where it is a `Later` (the result given back
+ * in another library's kind), as `CollectiveTensor.resolve` does. */
+static PyObject *resolved_value(PyObject *self, PyObject *op) {
+    PyObject *value = SLOT(self, layout.handle_value);
+    if (PyObject_TypeCheck(value, (PyTypeObject *)consts.later_type)) {
+        PyObject *settled = PyObject_CallMethodOneArg(value, consts.settle, SLOT(op, layout.op_result));
+        if (slot_steal(self, layout.handle_value, settled) < 0) return NULL;
+        value = settled;
+    }
+    slot_set(self, layout.handle_resolved, Py_True);
+    return Py_NewRef(value);
+}
+
 static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *op = SLOT(self, layout.handle_op), *value = SLOT(self, layout.handle_value);
     PyObject *ctx = SLOT(self, layout.handle_ctx), *resolved = SLOT(self, layout.handle_resolved);
     if (nargs + (kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames)) != 0 || op == NULL || value == NULL ||
-        ctx == NULL || resolved == NULL || PyObject_TypeCheck(value, (PyTypeObject *)consts.later_type))
+        ctx == NULL || resolved == NULL)
         return general(self, args, nargs, kwnames);
     long state = state_of(op);
     int closed = nonempty(ctx, names.closed);
     if (closed < 0) return NULL;
-    if (state == COMPLETE && (resolved == Py_True || !closed)) {
-        slot_set(self, layout.handle_resolved, Py_True);
-        return Py_NewRef(value);
-    }
+    if (state == COMPLETE && (resolved == Py_True || !closed)) return resolved_value(self, op);
     if (state != POSTED || closed) return general(self, args, nargs, kwnames);
     PyObject *engine = PyObject_GetAttr(ctx, names.engine), *timeout = PyObject_GetAttr(ctx, names.timeout);
     int stepping = engine == NULL ? -1 : nonempty(engine, names.stepping), done = -1;
@@ -158,8 +168,7 @@ static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_XDECREF(timeout);
     if (done < 0) return NULL;
     if (done == 0) return general(self, args, nargs, kwnames);
-    slot_set(self, layout.handle_resolved, Py_True);
-    return Py_NewRef(value);
+    return resolved_value(self, op);
 }
 
 PyMethodDef handle_resolve_def = {

@@ -31,12 +31,12 @@ int names_init(void) {
 static const char *bind_keywords[] = {
     "mpi", "pointer_handles", "op_class", "tensor_class", "tensor_fields", "handle_class", "handle_fields",
     "open_contexts", "states", "later", "base_resolve", "agree_stage", "carried", "header_bytes", "payload_bytes",
-    "row_bytes", "reap_after", "spin_pauses", NULL};
+    "row_bytes", "reap_after", "spin_pauses", "take_quickly", "small_bytes", "convert", NULL};
 
 PyDoc_STRVAR(bind_doc,
 "bind(*, mpi, pointer_handles, op_class, tensor_class, tensor_fields, handle_class, handle_fields,\n"
 "     open_contexts, states, later, base_resolve, agree_stage, carried, header_bytes, payload_bytes,\n"
-"     row_bytes, reap_after, spin_pauses)\n--\n\n"
+"     row_bytes, reap_after, spin_pauses, take_quickly, small_bytes, convert)\n--\n\n"
 "Bind the module to the running MPI and to the Python classes it works with (once).\n\n"
 "mpi: the mpi4py.MPI module; pointer_handles: whether MPI's handles are pointers. op_class,\n"
 "tensor_class, handle_class: the engine's Op, Tensor and the lane handle class; tensor_fields\n"
@@ -45,8 +45,9 @@ PyDoc_STRVAR(bind_doc,
 "CHECKING .. FAILED. later: the class of values settled by the Python resolve, base_resolve\n"
 "that resolve. The rest: the check's first stage, the carried marker and the row layout, the\n"
 "count of posted ops beyond which the Python path reaps, and the engine's spin_pauses where\n"
-"each rank has a core (fewer: more ranks than cores). The handle class gets the compiled\n"
-"resolve().\n\n"
+"each rank has a core (fewer: more ranks than cores). take_quickly(value, small_bytes): a\n"
+"number's or CPU torch tensor's array and converter back, which `convert(value, back)` hangs\n"
+"on its handle. The handle class gets the compiled resolve().\n\n"
 "Raises:\n"
 "    RuntimeError: MPI's functions or mpi4py's C API could not be found (the message says which).\n"
 "    TypeError: a class lacks a slot the module reads.");
@@ -54,17 +55,18 @@ PyDoc_STRVAR(bind_doc,
 static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
     PyObject *mpi4py, *op_class, *tensor_class, *tensor_fields, *handle_class, *handle_fields, *contexts, *states;
-    PyObject *later, *base_resolve;
+    PyObject *later, *base_resolve, *take_quickly, *small_bytes, *convert;
     int pointer_handles;
     if (consts.bound) Py_RETURN_NONE;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiLiiiii", (char **)bind_keywords, &mpi4py,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiLiiiiiOO!O", (char **)bind_keywords, &mpi4py,
                                      &pointer_handles, &op_class, &tensor_class, &tensor_fields, &handle_class,
                                      &handle_fields, &PyList_Type, &contexts, &PyTuple_Type, &states, &later,
                                      &base_resolve, &consts.agree_stage, &consts.carried, &consts.header_bytes,
                                      &consts.payload_bytes, &consts.row_bytes, &consts.reap_after,
-                                     &consts.spin_pauses))
+                                     &consts.spin_pauses, &take_quickly, &PyLong_Type, &small_bytes, &convert))
         return NULL;
     if (PyTuple_GET_SIZE(states) != 5 || !PyType_Check(later) || !PyCallable_Check(base_resolve) ||
+        !PyCallable_Check(take_quickly) || !PyType_Check(convert) ||
         consts.header_bytes != 16 || consts.row_bytes != consts.header_bytes + consts.payload_bytes) {
         PyErr_SetString(PyExc_TypeError, "bind(): five states, a class, a function and a 16-byte header");
         return NULL;
@@ -85,6 +87,9 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     consts.open_contexts = Py_NewRef(contexts);
     consts.later_type = Py_NewRef(later);
     consts.base_resolve = Py_NewRef(base_resolve);
+    consts.take_quickly = Py_NewRef(take_quickly);
+    consts.small_bytes = Py_NewRef(small_bytes);
+    consts.convert_type = Py_NewRef(convert);
     consts.bound = 1;
     Py_RETURN_NONE;
 }
@@ -125,7 +130,9 @@ PyMODINIT_FUNC PyInit__lanes(void) {
     consts.one = PyLong_FromLong(1);
     consts.kind_name = PyUnicode_InternFromString("all_reduce");
     consts.queue_checked = PyUnicode_InternFromString("queue_checked");
-    if (consts.empty_tuple == NULL || consts.one == NULL || consts.kind_name == NULL || consts.queue_checked == NULL)
+    consts.settle = PyUnicode_InternFromString("settle");
+    if (consts.empty_tuple == NULL || consts.one == NULL || consts.kind_name == NULL || consts.queue_checked == NULL ||
+        consts.settle == NULL)
         return NULL;
     if (PyType_Ready(&LaneType) < 0 || PyType_Ready(&DivideType) < 0 || PyType_Ready(&EntryType) < 0) return NULL;
     PyObject *module = PyModule_Create(&module_def);

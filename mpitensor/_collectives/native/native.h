@@ -93,6 +93,10 @@ typedef struct {
     PyObject *later_type;           /* common.Later: a value settled by the Python resolve */
     PyObject *base_resolve;         /* CollectiveTensor.resolve, the general path */
     PyObject *queue_checked;        /* the name of Engine.queue_checked */
+    PyObject *settle;               /* the name of Later.settle */
+    PyObject *take_quickly;         /* interop.take_quickly: a foreign input's array and converter */
+    PyObject *small_bytes;          /* the largest foreign input it views (an int) */
+    PyObject *convert_type;         /* common.Convert: a result given back in the input's kind */
     int agree_stage;                /* the check's first stage (engine._AGREE) */
     long long carried;              /* the per-rank value of a row carrying its input */
     int header_bytes, payload_bytes, row_bytes;
