@@ -1,8 +1,9 @@
-"""The build of mpitensor's one compiled part, the lane of repeated small all-reduces.
+"""The build of mpitensor's compiled parts: the lane of repeated small all-reduces, and the
+shared-memory all-reduce's streaming reduction.
 
-It is optional: where no C compiler is found (or the build fails), mpitensor installs
-without it and the Python lanes take every call (`python -m mpitensor info` says which).
-The C code needs Python's and NumPy's headers only, not MPI's: it finds MPI's functions at
+Both are optional: where no C compiler is found (or a build fails), mpitensor installs
+without them and Python takes every call (`python -m mpitensor info` says which). The C
+code needs Python's and NumPy's headers only, not MPI's: the lane finds MPI's functions at
 run time in the library mpi4py loaded (see mpitensor/_collectives/native/__init__.py).
 """
 
@@ -17,6 +18,13 @@ def _extensions() -> list[Extension]:
     except ImportError:  # a build without isolation, and no NumPy: the Python lanes only
         return []
     return [
+        Extension(
+            "mpitensor._core.kernels._streaming",
+            sources=["mpitensor/_core/kernels/streaming.c"],
+            include_dirs=[numpy.get_include()],
+            extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"],
+            optional=True,
+        ),
         Extension(
             "mpitensor._collectives.native._lanes",
             sources=[f"mpitensor/_collectives/native/{name}" for name in _SOURCES],

@@ -7,6 +7,7 @@ from typing import Any
 
 from .._collectives import native
 from .._core import mpi as _mpi
+from .._core.kernels import streaming_add
 from .._runtime.context import DistributedContext, local_rank_env_check
 
 __all__ = ["collect", "format_table", "main"]
@@ -46,6 +47,7 @@ def collect(ctx: DistributedContext) -> list[dict[str, Any]]:
         "local_rank_note": local_rank_env_check(ctx),
         "pid": os.getpid(),
         "compiled": native.status(bind=True),
+        "streaming": streaming_add is not None,
     }
     return ctx.comm.allgather(row)
 
@@ -83,6 +85,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"compiled lane of small all-reduces: {compiled.pop()}")
     else:
         lines.extend(f"compiled lane on rank {row['rank']}: {row['compiled']}" for row in rows)
+    streaming = {row["streaming"] for row in rows}
+    lines.append("streaming sum of large shared-memory all-reduces: "
+                 + ("on" if streaming == {True} else "off" if streaming == {False} else "on some ranks only"))
     for row in rows:
         if row["local_rank_note"]:
             lines.append(f"note: rank {row['rank']}: {row['local_rank_note']}")

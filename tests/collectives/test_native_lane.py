@@ -25,7 +25,8 @@ from tests.helpers import OP, agree, rank_input, reference, rejects, same, seed_
 pytestmark = pytest.mark.mpi(min_size=1)
 
 switched_off = os.environ.get("MPITENSOR_NATIVE", "").strip() == "0"
-needs_compiled = pytest.mark.skipif(switched_off, reason="MPITENSOR_NATIVE=0: the Python lanes take every call")
+needs_compiled = pytest.mark.skipif(switched_off or not native.built(),
+                                    reason="MPITENSOR_NATIVE=0, or built without a C compiler: the Python lanes only")
 
 DTYPES = [np.bool_, np.int8, np.uint16, np.int32, np.int64, np.uint64, np.float32, np.float64, np.complex64,
           np.complex128]
@@ -39,14 +40,16 @@ def _compiled(ctx: mt.DistributedContext, dtype: object, shape: tuple[int, ...],
 
 
 def test_the_compiled_lane_is_bound():
-    """Where the package was built with its compiled lane (as `make` does), it is on after a first call."""
-    if switched_off:
-        assert native.status() in ("switched off (MPITENSOR_NATIVE=0)", "built, not bound yet") or native.status(
-        ).startswith("not built"), native.status()
-        return
+    """Where the package was built with a C compiler (``MPITENSOR_EXPECT_NATIVE=1``, as `make test` sets
+    it), the compiled lane is on after a first call; switched off, it says so."""
     with mt.DistributedContext.init(config=mt.DistributedConfig(check=False)):
         mt.all_reduce(np.ones(2)).resolve()
-    assert native.status() == "on", f"the compiled lane is not in use: {native.status()}"
+    if switched_off:
+        assert native.status() == "switched off (MPITENSOR_NATIVE=0)", native.status()
+    elif os.environ.get("MPITENSOR_EXPECT_NATIVE") == "1":
+        assert native.status() == "on", f"the compiled lane is not in use: {native.status()}"
+    else:
+        assert native.status() == "on" or native.status().startswith(("not built", "cannot bind")), native.status()
 
 
 @needs_compiled

@@ -57,7 +57,7 @@ except ImportError as _error:  # built without a compiler, or for another interp
     _lanes = None
     _BUILD_ERROR = str(_error)
 
-__all__ = ["LaneTensor", "compiled_lane", "front", "leaf_loops", "status"]
+__all__ = ["LaneTensor", "built", "compiled_lane", "front", "leaf_loops", "status"]
 
 # ReduceOperation to the C loops' op codes (MEAN reduces as SUM, then divides).
 _OP_CODES = {
@@ -159,11 +159,18 @@ def status(bind: bool = False) -> str:
     Args:
         bind: bind the module first if no lane has yet (MPI must be initialized).
     """
+    if _lanes is None:
+        return f"not built ({_BUILD_ERROR})"
     if bind:
         _bind()
-    if not _binding.tried and _lanes is not None:
+    if not _binding.tried:
         return "built, not bound yet"
     return "on" if _binding.why == "" else _binding.why
+
+
+def built() -> bool:
+    """Whether the compiled module was built (it may still be switched off, or fail to bind)."""
+    return _lanes is not None
 
 
 def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:

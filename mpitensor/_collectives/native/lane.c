@@ -120,8 +120,9 @@ static int group_idle(Lane *lane, int check) {
     if (queue == NULL) return -1;
     Py_ssize_t queued = PyObject_Length(queue);
     Py_DECREF(queue);
+    if (queued < 0) return -1;
     PyObject *holder = PyObject_GetAttr(lane->group, names.holder);
-    if (holder == NULL || queued < 0) return -1;
+    if (holder == NULL) return -1;
     int idle = queued == 0 && holder == Py_None;
     Py_DECREF(holder);
     if (!idle || !check) return idle;
@@ -512,6 +513,11 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
         lane->release = PyObject_GetAttr(lock, names.release);
         lane->nbytes_obj = PyLong_FromSsize_t((Py_ssize_t)lane->nbytes);
         ok = !PyErr_Occurred() && lane->acquire && lane->release && lane->nbytes_obj;
+    }
+    /* The check's rows are gathered (2-8 ranks), and a carried call reduces at least two. */
+    if (ok && record != Py_None && (lane->size < 2 || lane->size > 8)) {
+        PyErr_SetString(PyExc_ValueError, "a checked lane needs a group of 2 to 8 ranks, whose checks gather rows");
+        ok = 0;
     }
     Py_XDECREF(lock);
     Py_XDECREF(comm);

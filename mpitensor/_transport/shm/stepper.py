@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._core.kernels import streaming_add
 from ..._core.mpi import MPI
 from .arena import Block
 from .cma import Remote, can_read, process_vm_readv
@@ -403,7 +404,8 @@ def reduce_pieces(ufunc: Any, sources: Sequence[np.ndarray], dests: Sequence[np.
     """``dests[i][:] = sources[0] op sources[1] op ...`` (in that order), piece by piece.
 
     The first destination receives the reduction; the others get a copy of each piece
-    while it is still in cache. The first destination may be the first source (reduced in
+    while it is still in cache (or, for a sum of two float sources into at most two
+    destinations, both are written by `streaming_add`'s stores, which bypass the cache). The first destination may be the first source (reduced in
     place), and the others may be sources: a piece is copied there only after it is reduced.
     """
     count = sources[0].size
@@ -412,11 +414,17 @@ def reduce_pieces(ufunc: Any, sources: Sequence[np.ndarray], dests: Sequence[np.
     step = max(1, PIECE_BYTES // sources[0].itemsize)
     first = dests[0]
     rest = dests[1:]
+    # Two sources summed into at most two destinations (two ranks of a node): streamed stores,
+    # where the kernel takes the arrays (float32 and float64, destinations apart from sources).
+    stream = streaming_add if ufunc is np.add and len(sources) == 2 and len(rest) <= 1 else None
     for low in range(0, count, step):
         high = min(count, low + step)
         target = first[low:high]
         if len(sources) == 1:
             np.copyto(target, sources[0][low:high])
+        elif stream is not None and stream(sources[0][low:high], sources[1][low:high], target,
+                                           rest[0][low:high] if rest else None):
+            continue
         else:
             ufunc(sources[0][low:high], sources[1][low:high], out=target)
             for source in sources[2:]:
