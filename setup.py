@@ -1,7 +1,7 @@
-"""The build of mpitensor's compiled parts: the lane of repeated small all-reduces, and the
-shared-memory all-reduce's streaming reduction.
+"""The build of mpitensor's compiled parts: the small all-reduces' lane, the streaming sum.
 
-Both are optional: where no C compiler is found (or a build fails), mpitensor installs
+The lane of repeated small all-reduces, and the shared-memory all-reduce's streaming sum:
+both are optional: where no C compiler is found (or a build fails), mpitensor installs
 without them and Python takes every call (`python -m mpitensor info` says which). The C
 code needs Python's and NumPy's headers only, not MPI's: the lane finds MPI's functions at
 run time in the library mpi4py loaded (see mpitensor/_collectives/native/__init__.py).

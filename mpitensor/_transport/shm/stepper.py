@@ -405,8 +405,9 @@ def reduce_pieces(ufunc: Any, sources: Sequence[np.ndarray], dests: Sequence[np.
 
     The first destination receives the reduction; the others get a copy of each piece
     while it is still in cache (or, for a sum of two float sources into at most two
-    destinations, both are written by `streaming_add`'s stores, which bypass the cache). The first destination may be the first source (reduced in
-    place), and the others may be sources: a piece is copied there only after it is reduced.
+    destinations, both are written by `streaming_add`'s stores, which bypass the cache).
+    The first destination may be the first source (reduced in place), and the others may be
+    sources: a piece is copied there only after it is reduced.
     """
     count = sources[0].size
     if count == 0:
