@@ -338,11 +338,12 @@ class Engine:
     def queue_checked(self, op: Op, spun: bool) -> None:
         """Take an op whose check this rank posted outside `submit`, and go on as `submit` does.
 
-        The compiled lane posts the check of a small checked all-reduce itself, as
-        `_post_check` does (the op in state CHECKING, with its ``seq``, ``check_send``,
+        The compiled lane posts the check of a checked all-reduce of up to 64 KiB itself,
+        as `_post_check` does (the op in state CHECKING, with its ``seq``, ``check_send``,
         ``check_recv``, ``check_req`` and ``check_stage``), on an idle group, and spins on
         it; when the rows did not all agree within that spin, the op comes here: it is
-        queued, and the call waits for its check within the grace, as any other.
+        queued, and the call waits for its check within the grace, as any other (its data
+        is posted by ``op.post`` once the check agrees).
 
         Args:
             op: the op, its check posted.
