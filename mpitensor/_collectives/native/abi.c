@@ -199,13 +199,12 @@ int mpi_wait(void *request) {
     return mpi.wait(request, &status);
 }
 
-PyObject *mpi_raise(int code) {
-    PyObject *error = PyObject_CallFunction(mpi.exception, "i", code);
-    if (error != NULL) {
-        PyErr_SetObject(mpi.exception, error);
-        Py_DECREF(error);
-    }
-    return NULL;
+void mpi_failed(PyObject *engine, int code, PyObject *op) {
+    PyObject *mpi_error = PyObject_CallFunction(mpi.exception, "i", code);
+    if (mpi_error == NULL) return;
+    PyObject *error = PyObject_CallMethod(engine, "mpi_failed", "OOO", mpi_error, op, consts.kind_name);
+    Py_DECREF(mpi_error);
+    if (error == NULL) return;
+    PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+    Py_DECREF(error);
 }
-
-PyObject *mpi_exception_type(void) { return mpi.exception; }

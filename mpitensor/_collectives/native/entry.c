@@ -73,7 +73,9 @@ static int parse_call(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
 
 /* A Python number, NumPy scalar or CPU torch tensor: the call on the compiled lane of the
  * array `take_quickly` gives for it, its handle giving the result back in the input's kind
- * (as `follow` makes it); None where it has none. */
+ * (as `follow` makes it); None where it has none. (A value whose lane the cache does not
+ * hold is taken again by the Python wrapper: the first call of each kind, and values of
+ * other libraries, pay `take_quickly` twice.) */
 static PyObject *on_lane_of_array(PyObject *ctx, PyObject *input, PyObject *op) {
     PyObject *taken = PyObject_CallFunctionObjArgs(consts.take_quickly, input, consts.small_bytes, NULL);
     if (taken == NULL) {

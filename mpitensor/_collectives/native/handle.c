@@ -101,13 +101,7 @@ static int wait_posted(PyObject *op, PyObject *engine, int may_block, int spins)
         Py_END_ALLOW_THREADS
     }
     if (code != 0) {
-        PyObject *mpi_error = PyObject_CallFunction(mpi_exception_type(), "i", code);
-        PyObject *error = mpi_error == NULL ? NULL : PyObject_CallMethod(engine, "mpi_failed", "OO", mpi_error, op);
-        Py_XDECREF(mpi_error);
-        if (error != NULL) {
-            PyErr_SetObject((PyObject *)Py_TYPE(error), error);
-            Py_DECREF(error);
-        }
+        mpi_failed(engine, code, op);
         return -1;
     }
     if (remove_posted(engine, op) < 0 || complete(op) < 0) return -1;

@@ -193,17 +193,6 @@ static int increment(PyObject *object, PyObject *name, PyObject **old) {
     return 0;
 }
 
-/* Set the error `Engine.mpi_failed` makes of MPI's error `code` (it breaks the context). */
-static void broken(Lane *lane, int code, PyObject *op) {
-    PyObject *mpi_error = PyObject_CallFunction(mpi_exception_type(), "i", code);
-    if (mpi_error == NULL) return;
-    PyObject *error = PyObject_CallMethod(lane->engine, "mpi_failed", "OOO", mpi_error, op, consts.kind_name);
-    Py_DECREF(mpi_error);
-    if (error == NULL) return;
-    PyErr_SetObject((PyObject *)Py_TYPE(error), error);
-    Py_DECREF(error);
-}
-
 /* Where ranks outnumber cores, the peers a check waits for need this core: yield it between
  * tests, for at most YIELD_NS, as the Python engine's wait for a check does (`Backoff`); only
  * a check still in flight after that goes to the Python engine. The GIL is released while
@@ -242,7 +231,7 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
     int code = mpi_iallgather_bytes(row, rows, consts.row_bytes, lane->check_comm, slot);
     if (code != 0) {
         Py_CLEAR(*seq);
-        broken(lane, code, Py_None);
+        mpi_failed(lane->engine, code, Py_None);
         return -1;
     }
     int flag = 0;
@@ -347,7 +336,7 @@ static int post_data(Lane *lane, Call *call, PyObject *posted) {
     int code = mpi_iallreduce_in_place(PyArray_DATA((PyArrayObject *)call->out), (int)lane->count, lane->datatype,
                                        lane->mpi_op, lane->comm, mpi_request_slot(call->request));
     if (code != 0) {
-        broken(lane, code, call->op);
+        mpi_failed(lane->engine, code, call->op);
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         PyErr_NormalizeException(&type, &value, &traceback);

@@ -45,9 +45,9 @@ int mpi_iallreduce_in_place(void *buffer, int count, mpi_handle datatype, mpi_ha
 int mpi_iallgather_bytes(const void *send, void *recv, int count, mpi_handle comm, void *request);
 int mpi_test(void *request, int *flag);
 int mpi_wait(void *request);
-/* Raise mpi4py's MPI.Exception for error code `code`; returns NULL. */
-PyObject *mpi_raise(int code);
-PyObject *mpi_exception_type(void);
+/* Set the error `engine.mpi_failed(MPI.Exception(code), op, "all_reduce")` makes of MPI's
+ * error `code` (it breaks the context; its message names `op`, or the call where op is None). */
+void mpi_failed(PyObject *engine, int code, PyObject *op);
 
 /* ---- the Python classes' slots (slots.c) ------------------------------------------------ */
 typedef struct {
