@@ -133,7 +133,7 @@ def _bind() -> bool:
             mpi=MPI, pointer_handles=handles, op_class=Op, tensor_class=Tensor, tensor_fields=TENSOR_FIELDS,
             handle_class=LaneTensor, handle_fields=HANDLE_FIELDS, open_contexts=state.open_contexts,
             states=STATES, later=Later, base_resolve=CollectiveTensor.resolve, agree_stage=AGREE_STAGE,
-            carried=CARRIED, header_bytes=HEADER_BYTES, payload_bytes=PAYLOAD_BYTES, row_bytes=ROW_BYTES,
+            header_bytes=HEADER_BYTES, payload_bytes=PAYLOAD_BYTES, row_bytes=ROW_BYTES,
             reap_after=REAP_AFTER, spin_pauses=SPIN_PAUSES, take_quickly=take_quickly, small_bytes=SMALL_BYTES,
             convert=Convert,
         )

@@ -35,7 +35,6 @@ static struct {
     mpi_handle request_null, byte;
     void *in_place;
     PyObject *exception;
-    int bound;
 } mpi;
 
 /* A status is at most 8 ints and a count in every implementation known; leave room. */
@@ -149,11 +148,8 @@ int mpi_bind(PyObject *module, int pointer_handles, char *why, size_t why_size) 
         snprintf(why, why_size, "mpi4py.MPI.IN_PLACE is not an address");
         return -1;
     }
-    mpi.bound = 1;
     return 0;
 }
-
-int mpi_bound(void) { return mpi.bound; }
 
 static mpi_handle handle_of(PyObject *object, handle_get get) {
     void *slot = get(object);
@@ -163,7 +159,6 @@ static mpi_handle handle_of(PyObject *object, handle_get get) {
 mpi_handle mpi_comm_of(PyObject *comm) { return handle_of(comm, mpi.comm_get); }
 mpi_handle mpi_datatype_of(PyObject *datatype) { return handle_of(datatype, mpi.datatype_get); }
 mpi_handle mpi_op_of(PyObject *op) { return handle_of(op, mpi.op_get); }
-mpi_handle mpi_byte(void) { return mpi.byte; }
 
 PyObject *mpi_new_request(void) {
     if (mpi.pointer_handles) return ((request_new_ptr)mpi.request_new)((void *)mpi.request_null);

@@ -36,13 +36,6 @@ PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op) {
     return NULL;
 }
 
-PyObject *lane_cache_clear(PyObject *module, PyObject *unused) {
-    (void)module;
-    (void)unused;
-    for (int i = 0; i < CACHE_SIZE; i++) Py_CLEAR(cache[i]);
-    Py_RETURN_NONE;
-}
-
 typedef struct {
     PyObject_HEAD
     PyObject *general;

@@ -300,6 +300,8 @@ static int call_prepare(Lane *lane, Call *call, PyObject *device, PyArrayObject 
         call->out = PyArray_Empty(lane->ndim, lane->dims, lane->descr, 0);
     }
     if (call->out == NULL) return -1;
+    /* A carried call that agrees at once shares the lane's done op; its own op is made all the
+     * same, before the check is posted, so that nothing left to make can fail once it is. */
     PyObject *finish = finisher(lane, call->out);
     if (finish == NULL) return -1;
     call->op = make_op(lane, POSTED, lane->record, finish);

@@ -30,12 +30,12 @@ int names_init(void) {
 
 static const char *bind_keywords[] = {
     "mpi", "pointer_handles", "op_class", "tensor_class", "tensor_fields", "handle_class", "handle_fields",
-    "open_contexts", "states", "later", "base_resolve", "agree_stage", "carried", "header_bytes", "payload_bytes",
+    "open_contexts", "states", "later", "base_resolve", "agree_stage", "header_bytes", "payload_bytes",
     "row_bytes", "reap_after", "spin_pauses", "take_quickly", "small_bytes", "convert", NULL};
 
 PyDoc_STRVAR(bind_doc,
 "bind(*, mpi, pointer_handles, op_class, tensor_class, tensor_fields, handle_class, handle_fields,\n"
-"     open_contexts, states, later, base_resolve, agree_stage, carried, header_bytes, payload_bytes,\n"
+"     open_contexts, states, later, base_resolve, agree_stage, header_bytes, payload_bytes,\n"
 "     row_bytes, reap_after, spin_pauses, take_quickly, small_bytes, convert)\n--\n\n"
 "Bind the module to the running MPI and to the Python classes it works with (once).\n\n"
 "mpi: the mpi4py.MPI module; pointer_handles: whether MPI's handles are pointers. op_class,\n"
@@ -43,7 +43,7 @@ PyDoc_STRVAR(bind_doc,
 "and handle_fields: their slot descriptors (array, device; op, value, ctx, resolved), which\n"
 "gives C their layout. open_contexts: the stack of open contexts. states: the op states\n"
 "CHECKING .. FAILED. later: the class of values settled by the Python resolve, base_resolve\n"
-"that resolve. The rest: the check's first stage, the carried marker and the row layout, the\n"
+"that resolve. The rest: the check's first stage and the row layout, the\n"
 "count of posted ops beyond which the Python path reaps, and the engine's spin_pauses where\n"
 "each rank has a core (fewer: more ranks than cores). take_quickly(value, small_bytes): a\n"
 "number's or CPU torch tensor's array and converter back, which `convert(value, back)` hangs\n"
@@ -58,10 +58,10 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     PyObject *later, *base_resolve, *take_quickly, *small_bytes, *convert;
     int pointer_handles;
     if (consts.bound) Py_RETURN_NONE;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiLiiiiiOO!O", (char **)bind_keywords, &mpi4py,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiiiiiiOO!O", (char **)bind_keywords, &mpi4py,
                                      &pointer_handles, &op_class, &tensor_class, &tensor_fields, &handle_class,
                                      &handle_fields, &PyList_Type, &contexts, &PyTuple_Type, &states, &later,
-                                     &base_resolve, &consts.agree_stage, &consts.carried, &consts.header_bytes,
+                                     &base_resolve, &consts.agree_stage, &consts.header_bytes,
                                      &consts.payload_bytes, &consts.row_bytes, &consts.reap_after,
                                      &consts.spin_pauses, &take_quickly, &PyLong_Type, &small_bytes, &convert))
         return NULL;
@@ -112,8 +112,6 @@ static PyMethodDef methods[] = {
     {"plain_leaves", (PyCFunction)(void (*)(void))plain_leaves, METH_FASTCALL, plain_leaves_doc},
     {"pack", (PyCFunction)(void (*)(void))pack_leaves, METH_FASTCALL, pack_doc},
     {"unpack", (PyCFunction)(void (*)(void))unpack_leaves, METH_FASTCALL, unpack_doc},
-    {"forget_lanes", lane_cache_clear, METH_NOARGS,
-     "forget_lanes()\n--\n\nEmpty the cache of lanes started lately (the next calls find them again)."},
     {NULL, NULL, 0, NULL},
 };
 

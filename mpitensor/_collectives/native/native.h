@@ -33,11 +33,9 @@
 typedef intptr_t mpi_handle;
 
 int mpi_bind(PyObject *mpi4py_module, int pointer_handles, char *why, size_t why_size);
-int mpi_bound(void);
 mpi_handle mpi_comm_of(PyObject *comm);      /* -1 with an exception set if not a Comm */
 mpi_handle mpi_datatype_of(PyObject *datatype);
 mpi_handle mpi_op_of(PyObject *op);
-mpi_handle mpi_byte(void);
 PyObject *mpi_new_request(void);              /* a null mpi4py Request */
 void *mpi_request_slot(PyObject *request);    /* the MPI_Request inside it */
 int mpi_iallreduce_in_place(void *buffer, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm,
@@ -98,7 +96,6 @@ typedef struct {
     PyObject *small_bytes;          /* the largest foreign input it views (an int) */
     PyObject *convert_type;         /* common.Convert: a result given back in the input's kind */
     int agree_stage;                /* the check's first stage (engine._AGREE) */
-    long long carried;              /* the per-rank value of a row carrying its input */
     int header_bytes, payload_bytes, row_bytes;
     int reap_after;                 /* posted ops beyond which the Python path reaps */
     int spin_pauses;                /* Engine.spin_pauses where each rank has a core */
@@ -135,7 +132,6 @@ extern PyTypeObject EntryType;
 PyObject *lane_start(PyObject *lane, PyObject *tensor, PyObject *array);
 int lane_matches(PyObject *lane, PyObject *ctx, PyArrayObject *array, PyObject *op);
 PyObject *lane_context(PyObject *lane); /* borrowed */
-PyObject *lane_cache_clear(PyObject *module, PyObject *unused);
 void lane_cache_insert(PyObject *lane);
 PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op);
 extern PyMethodDef handle_resolve_def;
