@@ -66,8 +66,9 @@ explain() {
   for f in "$logs"/rank-*.log; do
     [ -f "$f" ] || continue
     grep -aE '^(FAILED|ERROR) ' "$f" | head -n 20 | sed "s|^|    $(basename "$f" .log): |"
-    grep -aA 40 '^Timeout (' "$f" | grep -aE '^(Timeout|Thread|Current thread|  File)' | head -n 40 \
-      | sed "s|^|    $(basename "$f" .log): |"
+    # The dump's first line follows pytest's progress dots, on the same line.
+    grep -aA 40 'Timeout ([0-9:]*)!' "$f" | sed -E 's/^.*(Timeout \()/\1/' \
+      | grep -aE '^(Timeout|Thread|Current thread|  File)' | head -n 40 | sed "s|^|    $(basename "$f" .log): |"
   done
 }
 
