@@ -8,6 +8,7 @@ time, so every rank runs the same number of calls).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -273,9 +274,20 @@ def start_gloo(comm: Any) -> Any:
 
 
 def stop_gloo(dist: Any) -> None:
-    """Leave the gloo group `start_gloo` joined."""
-    if dist is not None and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the gloo group `start_gloo` joined; call it once no DDP model of the group is left.
+
+    Whoever drops the last reference to gloo's process group waits there for gloo's worker
+    threads, which may need the GIL to free a finished work. DDP's reducer drops its
+    reference holding the GIL, so where it drops the last one the rank hangs for good. The
+    group's own binding releases the GIL as it ends the group: a reference of it is held
+    here while DDP's garbage is collected and the group destroyed, and dropped last.
+    """
+    if dist is None or not dist.is_initialized():
+        return
+    group = dist.group.WORLD
+    gc.collect()
+    dist.destroy_process_group()
+    del group  # the last reference: the process group ends here, with the GIL released
 
 
 # -- output -----------------------------------------------------------------------------------

@@ -109,9 +109,10 @@ def run_torch_ddp(
                     if step >= warmup:
                         times[step - warmup, index] = took
             slowest = mt.all_reduce(times, mt.ReduceOperation.MAX).resolve().numpy()
+            params = sum(p.numel() for p in models["local"].parameters())
         finally:
+            models = opts = {}  # DDP goes before its process group (see stop_gloo)
             stop_gloo(dist)
-        params = sum(p.numel() for p in models["local"].parameters())
         result = _summarize(slowest, ctx.size, params, batch, steps)
     if progress is not None and ctx.rank == 0:
         progress("torch: done")

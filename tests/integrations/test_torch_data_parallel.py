@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import threading
+import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -253,13 +255,23 @@ def _gloo_store(dist: Any, ctx: mt.DistributedContext, timeout: datetime.timedel
 
 
 def _leave_gloo(dist: Any, bound: float = 60.0) -> None:
-    """``dist.destroy_process_group()``, waited for at most `bound` seconds.
+    """End gloo's process group: ``dist.destroy_process_group()``, then its last reference.
 
-    gloo's teardown has no timeout of its own, and it has been seen to hang once every
-    rank's work was done (the test's comparisons had passed). A hang there would stop the
-    whole suite, so it runs in a daemon thread: past the bound, this rank warns and goes on
-    (nothing later in the suite uses torch.distributed).
+    Call it once DDP is out of scope. Whoever drops the last reference to the process group
+    waits there for gloo's worker threads, and a worker that frees a finished work may need
+    the GIL to do it. DDP's reducer holds the GIL as it drops its reference (torch binds the
+    reducer without releasing it), so where the reducer drops the last one the rank hangs
+    for good: seen here about once in a hundred runs, with the main thread in
+    ``~ProcessGroupGloo`` and a worker in ``~AsyncAllreduceWork`` waiting for the GIL. So
+    DDP's garbage is collected first, while this function holds a reference of the process
+    group's own binding, which releases the GIL as it ends the group; that reference goes last.
+
+    ``destroy_process_group`` runs in a daemon thread, waited for at most `bound` seconds:
+    past the bound, this rank warns and goes on (nothing later in the suite uses
+    torch.distributed) rather than stop the whole suite.
     """
+    group = dist.group.WORLD
+    gc.collect()  # DDP's modules and hooks hold cycles: its reducer must go now, not at a later collection
     done = threading.Event()
 
     def leave() -> None:
@@ -270,6 +282,31 @@ def _leave_gloo(dist: Any, bound: float = 60.0) -> None:
     if not done.wait(bound):
         warnings.warn(f"torch.distributed's gloo teardown did not return within {bound:g} s; left behind",
                       RuntimeWarning, stacklevel=2)
+    del group  # the last reference: the process group ends here, with the GIL released
+
+
+def _train_beside_ddp(ctx: mt.DistributedContext) -> None:
+    """Three steps of torch DDP and of DataParallel from the same weights: the same gradients at each.
+
+    DDP lives only in this function, so that it is gone before `_leave_gloo`, also when a
+    comparison fails.
+    """
+    ddp = torch.nn.parallel.DistributedDataParallel(Net(seed=ctx.rank), bucket_cap_mb=0.001)
+    ours = DataParallel(copy.deepcopy(ddp.module), bucket_bytes=1024)
+    model = None
+    try:
+        for step in range(3):
+            x, y = data(step)
+            for model in (ddp, ours):
+                model.zero_grad()
+                loss_fn(model(shard(x, ctx)), shard(y, ctx)).backward()
+            for (name, a), b in zip(ddp.module.named_parameters(), ours.module.parameters()):
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-13, atol=1e-15, msg=f"{name}.grad at step {step}")
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # the failed calls' frames would keep DDP alive
+        raise
+    finally:
+        del ddp, model
 
 
 def test_same_gradients_as_torch_ddp_on_gloo(ctx):
@@ -279,15 +316,7 @@ def test_same_gradients_as_torch_ddp_on_gloo(ctx):
     dist.init_process_group("gloo", store=_gloo_store(dist, ctx, timeout), rank=ctx.rank, world_size=ctx.size,
                             timeout=timeout)
     try:
-        ddp = torch.nn.parallel.DistributedDataParallel(Net(seed=ctx.rank), bucket_cap_mb=0.001)
-        ours = DataParallel(copy.deepcopy(ddp.module), bucket_bytes=1024)
-        for step in range(3):
-            x, y = data(step)
-            for model in (ddp, ours):
-                model.zero_grad()
-                loss_fn(model(shard(x, ctx)), shard(y, ctx)).backward()
-            for (name, a), b in zip(ddp.module.named_parameters(), ours.module.parameters()):
-                torch.testing.assert_close(b.grad, a.grad, rtol=1e-13, atol=1e-15, msg=f"{name}.grad at step {step}")
+        _train_beside_ddp(ctx)
     finally:
         mt.barrier()  # no rank tears its connections down while another still reads from them
         _leave_gloo(dist)
