@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DistributedConfig", "ReduceOperation", "parse_op"]
+__all__ = ["DistributedConfig", "ReduceOperation", "compiled_parts_off", "parse_op"]
 
 _MIB = 1 << 20
 
@@ -34,6 +34,11 @@ class ReduceOperation(enum.Enum):
 
 
 _ALIASES = {"avg": "mean", "average": "mean"}
+
+
+def compiled_parts_off() -> bool:
+    """Whether ``MPITENSOR_NATIVE=0`` switches the compiled parts off (the compiled lane, the streaming sum)."""
+    return os.environ.get("MPITENSOR_NATIVE", "").strip() == "0"
 
 
 def parse_op(op: ReduceOperation | str) -> ReduceOperation:

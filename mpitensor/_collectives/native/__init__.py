@@ -34,7 +34,6 @@ the Python lanes take every call: `status()` says which.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -42,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..._core import state
-from ..._core.config import ReduceOperation
+from ..._core.config import ReduceOperation, compiled_parts_off
 from ..._core.interop import take_quickly
 from ..._core.mpi import MPI, pointer_handles
 from ..._core.tensor import TENSOR_FIELDS, Tensor
@@ -121,7 +120,7 @@ def _bind() -> bool:
     if _lanes is None:
         _binding.why = f"not built ({_BUILD_ERROR})"
         return False
-    if os.environ.get("MPITENSOR_NATIVE", "").strip() == "0":
+    if compiled_parts_off():
         _binding.why = "switched off (MPITENSOR_NATIVE=0)"
         return False
     handles = pointer_handles()

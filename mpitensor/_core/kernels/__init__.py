@@ -8,15 +8,16 @@ the cache, for the shared-memory all-reduce's large slices. Where it was not bui
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
+
+from ..config import compiled_parts_off
 
 __all__ = ["streaming_add"]
 
 
 def _load() -> Callable[..., bool] | None:
-    if os.environ.get("MPITENSOR_NATIVE", "").strip() == "0":
+    if compiled_parts_off():
         return None
     try:
         from . import _streaming
