@@ -8,6 +8,7 @@ import numpy as np
 
 from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import reduce_plan
+from .._core.interop import refuse_int_overflow
 from .._core.state import open_contexts
 from .._core.tensor import Tensor, array_of
 from .._runtime.check import shared_record
@@ -70,6 +71,9 @@ def all_reduce(
                                 factors=(prescale_factor, postscale_factor))
     ctx, source, group = _take(input, devices)
     if source.back is not None:  # another library's tensor: reduce its array, give the result back
+        if kind is int:
+            refuse_int_overflow(input, (ctx.config.all_reduce_op if op is None else parse_op(op)).name,
+                                group.size, "all_reduce")
         return follow(all_reduce(source.buffer, op, devices, out=out, prescale_factor=prescale_factor,
                                  postscale_factor=postscale_factor), source.back)
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)

@@ -25,8 +25,8 @@ from .._runtime.engine import COMPLETE, FAILED, Group, Op
 from .._transport.reduction import finish_reduction, reduction_buffers, reduction_input
 
 __all__ = [
-    "HANDLE_FIELDS", "PLAIN_DTYPES", "CollectiveTensor", "Convert", "Input", "Later", "follow", "take_input",
-    "timeout_arg",
+    "HANDLE_FIELDS", "PLAIN_DTYPES", "CollectiveTensor", "Convert", "Input", "Later", "follow", "refuse_masked",
+    "take_input", "timeout_arg",
 ]
 
 
@@ -305,7 +305,10 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
     if kind is Tensor or (kind is not np.ndarray and isinstance(value, Tensor)):
         # `array_of`, not the property: every collective call comes here.
         tensor, array = value, array_of(value)
-    elif kind is np.ndarray or isinstance(value, np.ndarray) or is_cupy_array(value):
+    elif kind is np.ndarray or is_cupy_array(value):
+        tensor, array = None, value
+    elif isinstance(value, np.ndarray):
+        refuse_masked(value, what, argument)
         tensor, array = None, value
     else:
         return _take_foreign(value, ctx, what, argument)
@@ -324,6 +327,20 @@ def take_input(value: Any, ctx: DistributedContext, what: str, argument: str = "
     buffer = ctx.pool.empty(array.shape, dtype)
     np.copyto(buffer, array, casting="no" if dtype == array.dtype else "equiv")
     return Input(tensor, array, buffer, True)
+
+
+def refuse_masked(value: Any, what: str, argument: str = "input") -> None:
+    """Refuse a NumPy masked array: MPI would send its masked elements' hidden values.
+
+    Raises:
+        TypeError: `value` is a ``numpy.ma.MaskedArray``.
+    """
+    if isinstance(value, np.ma.MaskedArray):
+        raise TypeError(
+            f"{what}: {argument} is a numpy.ma.MaskedArray, whose masked elements would be sent as the "
+            "values hidden under the mask; pass value.filled(fill) (for a sum, fill=0) and, if the mask "
+            "matters, reduce it too (np.ma.getmaskarray(value))"
+        )
 
 
 def _take_foreign(value: Any, ctx: DistributedContext, what: str, argument: str) -> ForeignInput:

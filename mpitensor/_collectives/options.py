@@ -15,6 +15,7 @@ which costs nothing); `prescaled_input` and `finish_scaled` apply them.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -77,8 +78,11 @@ def output_buffer(
         return ctx.pool.empty(shape, dtype)
     array = out.array if isinstance(out, Tensor) else out
     if type(array) is not np.ndarray:
-        kind = "a GPU tensor" if hasattr(array, "__cuda_array_interface__") else type(out).__name__
-        raise TypeError(f"{what}: out= must be a host mpitensor.Tensor or a NumPy array, got {kind}")
+        kind = "a GPU tensor" if hasattr(array, "__cuda_array_interface__") else _type_name(out)
+        raise TypeError(
+            f"{what}: out= must be a host mpitensor.Tensor or a NumPy array, got {kind}; "
+            "pass a NumPy array (for a torch tensor: tensor.numpy(), which shares its memory)"
+        )
     if array.dtype != dtype:
         raise TypeError(f"{what}: out= has dtype {array.dtype}, but the result has dtype {dtype}")
     if array.shape != tuple(shape):
@@ -91,6 +95,13 @@ def output_buffer(
         if other is not None and np.may_share_memory(array, other):
             raise ValueError(f"{what}: out= overlaps the input; pass a separate array")
     return array
+
+
+def _type_name(value: Any) -> str:
+    """A type's name with its library's (``torch.Tensor``), so that it is not read as mpitensor's own."""
+    kind = type(value)
+    library = kind.__module__.split(".")[0]
+    return kind.__qualname__ if library == "builtins" else f"{library}.{kind.__qualname__}"
 
 
 def output_tensor(out: Any, array: Any, device: Any) -> Tensor:
@@ -159,13 +170,34 @@ def _factor(value: Any, dtype: np.dtype, what: str, name: str) -> Any:
     if dtype.kind == "b":
         raise TypeError(f"{what}: bool tensors cannot be scaled ({name}={value!r}); only 1 is allowed")
     if dtype.kind in "iu":
-        if isinstance(value, numbers.Integral) or float(value).is_integer():
-            return np.asarray(int(value), np.int64)
+        return _integer_factor(value, dtype, what, name)
+    return np.asarray(value, np.complex128 if dtype.kind == "c" else np.float64)
+
+
+def _integer_factor(value: Any, dtype: np.dtype, what: str, name: str) -> np.ndarray:
+    """An integer tensor's factor, as a 0-d array of the tensor's own dtype.
+
+    The tensor is multiplied in its dtype, wrapping on overflow, as NumPy's ``x * factor``
+    with a Python int is: a factor of another integer dtype would make NumPy promote (uint64
+    by int64 gives float64, which rounds large values).
+
+    Raises:
+        TypeError: a factor that is not an integer.
+        ValueError: an integer the tensor's dtype cannot hold.
+    """
+    if not isinstance(value, numbers.Integral) and not (math.isfinite(value) and float(value).is_integer()):
         raise TypeError(
             f"{what}: {name}={value!r} is not an integer, but the tensor's dtype is {dtype}; "
             "scale integer tensors by integers, or convert them to a float dtype first"
         )
-    return np.asarray(value, np.complex128 if dtype.kind == "c" else np.float64)
+    integer = int(value)
+    info = np.iinfo(dtype)
+    if not info.min <= integer <= info.max:
+        raise ValueError(
+            f"{what}: {name}={integer} is out of the range of the tensor's dtype {dtype} "
+            f"([{info.min}, {info.max}]); integer tensors are scaled in their own dtype, as NumPy does"
+        )
+    return np.asarray(integer, dtype)
 
 
 def scale_options(prescale: Any, postscale: Any) -> tuple[tuple[str, Any], ...]:
@@ -178,6 +210,7 @@ def scale_options(prescale: Any, postscale: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(options)
 
 
+
 def prescaled_input(ctx: DistributedContext, source: Input, plan: Any, factor: Any) -> tuple[Any, tuple[Any, ...]]:
     """`reduction_input`, with the input multiplied by `factor` first (None: unscaled).
 
@@ -187,8 +220,13 @@ def prescaled_input(ctx: DistributedContext, source: Input, plan: Any, factor: A
     if factor is None:
         return reduction_input(ctx, source, plan)
     buffer = ctx.pool.empty(source.buffer.shape, plan.work_dtype)
-    # Integer tensors wrap around on overflow, as NumPy's own integer multiply does.
-    np.multiply(source.buffer, factor, out=buffer, casting="unsafe")
+    # Integer tensors are multiplied in their own dtype, wrapping on overflow, as NumPy's
+    # own integer multiply does, also where the reduction works in another dtype (MEAN's
+    # float64, a widened sum).
+    if factor.dtype.kind in "iu" and buffer.dtype != factor.dtype:
+        np.copyto(buffer, np.multiply(source.buffer, factor), casting="unsafe")
+    else:
+        np.multiply(source.buffer, factor, out=buffer, casting="unsafe")
     if plan.codec is not None:
         plan.codec.encode(buffer, buffer)
     source.buffer = buffer

@@ -7,6 +7,7 @@ from typing import Any
 from .._core.config import ReduceOperation, parse_op
 from .._core.device import Device
 from .._core.dtypes import reduce_plan
+from .._core.interop import refuse_int_overflow
 from .._core.tensor import Tensor
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
@@ -79,6 +80,8 @@ def reduce(
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     source = take_input(input, ctx, "reduce")
     group = ctx.group(devices, "reduce")
+    if type(input) is int:
+        refuse_int_overflow(input, reduce_op.name, group.size, "reduce")
     root_at = root_rank(ctx, root)
     if source.on_gpu:
         refuse_on_gpu("reduce", out=out)

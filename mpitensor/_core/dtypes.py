@@ -32,10 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from . import mpi_arithmetic
 from .config import ReduceOperation
 from .mpi import MPI, on_finalize
 
 __all__ = [
+    "BoolBytes",
     "CanonicalNan",
     "Extremum",
     "OrderedKeys",
@@ -112,7 +114,8 @@ class ReducePlan:
             through: ``codec.encode(source, out)`` before (into a private buffer of the
             work dtype, which may be `source`) and ``codec.decode(out)`` after, in place.
             An `OrderedKeys` for floats (MPI reduces integer keys), a `CanonicalNan` for
-            complex numbers and 16-byte long doubles. None for every other plan.
+            complex numbers and 16-byte long doubles, a `BoolBytes` for bool (its bytes
+            made 0 and 1). None for every other plan.
     """
 
     mpi_op: Any
@@ -121,7 +124,7 @@ class ReducePlan:
     divide: bool
     result_dtype: np.dtype | None = None
     combine: Any = None
-    codec: OrderedKeys | CanonicalNan | None = None
+    codec: OrderedKeys | CanonicalNan | BoolBytes | None = None
     # Derived once (plans are looked up on every call): the result tensor's dtype, and
     # whether the reduced work buffer is rounded back into it.
     out_dtype: np.dtype = field(init=False)
@@ -198,8 +201,24 @@ def reduce_plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
     key = (id(op), dtype)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(op, dtype)
+        plan = _plan(op, dtype)
+        # An integer sum planned before MPI could be probed is planned again once it can.
+        if mpi_arithmetic.wrong_sums() is not None or op is not ReduceOperation.SUM or plan.work_dtype.kind not in "iu":
+            _PLANS[key] = plan
     return plan
+
+
+def _sum_dtype(dtype: np.dtype) -> np.dtype:
+    """The integer dtype MPI sums `dtype` in: `dtype`, or a wider one where MPI's own sum of it is wrong.
+
+    A wrapping sum in a wider type of the same signedness, cast back, is the wrapping sum of
+    `dtype` (see `mpi_arithmetic`).
+    """
+    wrong = mpi_arithmetic.probe() if MPI.Is_initialized() and not MPI.Is_finalized() else frozenset()
+    work = dtype
+    while work in wrong and work.itemsize < 8:
+        work = np.dtype(f"={work.kind}{work.itemsize * 2}")
+    return work
 
 
 def _plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
@@ -214,8 +233,13 @@ def _plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
     if dtype.kind in "biu":
         if divide:
             return ReducePlan(MPI.SUM, MPI.DOUBLE, np.dtype(np.float64), True, combine=np.add)
-        table = _LOGICAL if dtype.kind == "b" else _ARITHMETIC
-        ufuncs = _LOGICAL_UFUNCS if dtype.kind == "b" else _UFUNCS
+        if dtype.kind == "b":
+            return ReducePlan(_LOGICAL[op], _NATIVE[dtype], dtype, False, combine=_LOGICAL_UFUNCS[op],
+                              codec=_BOOL_BYTES)
+        table, ufuncs = _ARITHMETIC, _UFUNCS
+        work = _sum_dtype(dtype) if op is ReduceOperation.SUM and dtype.kind in "iu" else dtype
+        if work != dtype:
+            return ReducePlan(MPI.SUM, _NATIVE[work], work, False, dtype, combine=np.add)
         return ReducePlan(table[op], _NATIVE[dtype], dtype, False, combine=ufuncs[op])
     if extremum:
         maximum = op is ReduceOperation.MAX
@@ -328,6 +352,27 @@ class OrderedKeys:
         sign = xp.right_shift(keys, shift)
         xp.bitwise_and(sign, mask, out=sign)
         xp.bitwise_xor(keys, sign, out=keys)
+
+
+class BoolBytes:
+    """The codec of bool reductions: every byte made 0 or 1 before MPI reduces it.
+
+    A bool array may hold other bytes (a ``.view(bool)`` of uint8 data), which NumPy reads as
+    True. MPI's logical ops may combine the bytes themselves (Open MPI's gave 2 | 1 = 3, and
+    2 for True XOR True), so MPI gets the canonical bytes. Nothing to decode.
+    """
+
+    __slots__ = ()
+
+    def encode(self, source: Any, out: Any, xp: Any = np) -> None:
+        """Write `source`'s truth values into `out` (bool; it may be `source`), as bytes 0 and 1."""
+        xp.not_equal(source.view(xp.uint8), 0, out=out)
+
+    def decode(self, array: Any, xp: Any = np) -> None:
+        """Nothing: the result is already bool."""
+
+
+_BOOL_BYTES = BoolBytes()
 
 
 class CanonicalNan:

@@ -149,7 +149,9 @@ def take(value: Any, device: Device, what: str, argument: str = "input") -> Take
         DeviceError: a GPU tensor on a device other than this rank's.
     """
     kind = type(value)
-    if kind in (float, int, bool, complex):
+    if kind is int:
+        return Taken(python_int_array(value, what), _python_back, True)
+    if kind in (float, bool, complex):
         return Taken(np.asarray(value), _python_back, True)
     if isinstance(value, np.generic):
         return Taken(np.asarray(value), _numpy_scalar_back, True)
@@ -158,6 +160,58 @@ def take(value: Any, device: Device, what: str, argument: str = "input") -> Take
     if _is_jax(value):
         return _take_jax(value, device, what)
     return Taken(to_array(value, device, what, argument), None, False)
+
+
+_INT64 = 1 << 63
+_QUICK_INT = 1 << 31  # no sum of fewer than 2**32 ranks of such ints leaves int64
+
+
+def python_int_array(value: int, what: str) -> np.ndarray:
+    """A Python int as the 0-d int64 array it travels as.
+
+    Raises:
+        OverflowError: `value` is outside int64's range (NumPy would make it uint64, or an
+            object array, which no peer's int64 would match).
+    """
+    if not -_INT64 <= value < _INT64:
+        raise OverflowError(
+            f"{what}: the Python int {value} is outside int64's range [-2**63, 2**63); Python ints travel "
+            "as int64: pass a NumPy array of another dtype (np.uint64, np.float64), or use the object "
+            "collectives (all_gather_object) for arbitrary precision"
+        )
+    return np.asarray(value, np.int64)
+
+
+def refuse_int_overflow(value: int, op_name: str, size: int, what: str) -> None:
+    """Refuse a SUM, MEAN or PROD of Python ints whose result could leave int64's range.
+
+    The bound is this rank's own value: with every rank's magnitude at most ``|value|``, a
+    sum of `size` of them stays within ``size * |value|`` and a product within
+    ``|value| ** size``. A rank whose value passes cannot overflow the result alone, and
+    one whose value fails raises, so no result wraps silently.
+
+    Args:
+        value: this rank's Python int.
+        op_name: the reduction's name (``"SUM"``, ...); others are not checked.
+        size: the group's size.
+        what: the collective's name, for messages.
+
+    Raises:
+        OverflowError: the result could leave int64's range.
+    """
+    magnitude = abs(value)
+    if op_name in ("SUM", "MEAN"):
+        bound = magnitude * size
+    elif op_name == "PROD":
+        bound = magnitude ** size if magnitude > 1 else magnitude
+    else:
+        return
+    if bound >= _INT64:
+        raise OverflowError(
+            f"{what}: a {op_name} over {size} ranks of Python ints of magnitude up to {magnitude} can leave "
+            f"int64's range (this rank passed {value}); Python ints travel as int64: pass np.float64 values, "
+            "or gather them (all_gather_object) and reduce them in Python for arbitrary precision"
+        )
 
 
 def take_quickly(value: Any, max_bytes: int) -> tuple[np.ndarray, Back] | None:
@@ -173,7 +227,8 @@ def take_quickly(value: Any, max_bytes: int) -> tuple[np.ndarray, Back] | None:
     a mutable access such as ``numpy()`` would make torch copy).
     """
     kind = type(value)
-    if kind is float or kind is int:
+    # Larger ints go to `take`, and their sums to `all_reduce`'s check of int64's range.
+    if kind is float or (kind is int and -_QUICK_INT <= value < _QUICK_INT):
         return np.asarray(value), _python_back
     if kind.__module__ == "torch" and kind.__name__ == "Tensor":
         if not value.is_cpu or value.nbytes > max_bytes:

@@ -20,7 +20,9 @@ peers learn who left without a further exchange, which a departed rank could not
 
 from __future__ import annotations
 
+import cmath
 import functools
+import math
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -325,13 +327,29 @@ class OptionsRecord(Record):
 
     def agreement(self) -> int:
         """`Record.agreement`, with the options' values hashed in."""
-        return hash((super().agreement(), tuple(value for _, value in self.options))) & _MASK
+        return hash((super().agreement(), tuple(_agreeing(value) for _, value in self.options))) & _MASK
 
     def detail(self) -> dict[str, Any]:
         """`Record.detail`, with the options."""
         out = super().detail()
         out["options"] = self.options
         return out
+
+
+# What every NaN hashes as: a float NaN hashes by its object's identity (Python 3.10+),
+# which differs between processes, and every NaN means the same factor.
+_NAN_KEY = (-1, 0x7FF8)
+
+
+def _agreeing(value: Any) -> Any:
+    """An option's value as the check hashes it: NaNs (in any part, at any depth) as one key."""
+    if isinstance(value, float):
+        return _NAN_KEY if math.isnan(value) else value
+    if isinstance(value, complex):
+        return (_agreeing(value.real), _agreeing(value.imag)) if cmath.isnan(value) else value
+    if isinstance(value, tuple):
+        return tuple(_agreeing(item) for item in value)
+    return value
 
 
 def _options_text(options: tuple[tuple[str, Any], ...] | None) -> str:
