@@ -84,6 +84,9 @@ class DistributedConfig:
         check: run the cross-rank consistency check before every collective, so ranks
             that disagree on shape, dtype, op, root or group get `CollectiveMismatchError`
             instead of a hang or garbage. Costs one small all-reduce per collective.
+            With ``check=False``, ranks that disagree get whatever MPI does: wrong data,
+            a hang, or a crash of the whole job (a double free or segmentation fault
+            inside MPI, seen with lengths 4096 against 4).
         timeout: seconds `CollectiveTensor.resolve()` (and `close()`) wait when given no
             timeout of their own; ``None`` reads ``MPITENSOR_TIMEOUT`` and otherwise waits
             forever. After a timeout the context is broken (MPI cannot cancel).

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from .._collectives import native
+from .._core import mpi_arithmetic
 from .._core import mpi as _mpi
 from .._core.kernels import streaming_add
 from .._runtime.context import DistributedContext, local_rank_env_check
@@ -48,6 +49,8 @@ def collect(ctx: DistributedContext) -> list[dict[str, Any]]:
         "pid": os.getpid(),
         "compiled": native.status(bind=True),
         "streaming": streaming_add is not None,
+        "wrong_sums": " ".join(sorted(str(dtype) for dtype in mpi_arithmetic.probe())),
+        "check": ctx.config.check,
     }
     return ctx.comm.allgather(row)
 
@@ -88,6 +91,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     streaming = {row["streaming"] for row in rows}
     lines.append("streaming sum of large shared-memory all-reduces: "
                  + ("on" if streaming == {True} else "off" if streaming == {False} else "on some ranks only"))
+    wrong = {row["wrong_sums"] for row in rows}
+    if wrong != {""}:
+        lines.append(f"MPI's own SUM of {' / '.join(sorted(wrong - {''}))} saturates instead of wrapping "
+                     "(a local probe found it): mpitensor sums those dtypes in a wider type")
+    else:
+        lines.append("MPI's integer sums wrap as NumPy's do (a local probe checked every integer dtype)")
+    if not all(row["check"] for row in rows):
+        lines.append("consistency check OFF: ranks that disagree get whatever MPI does, which includes "
+                     "wrong data, a hang or a crash of the job")
     for row in rows:
         if row["local_rank_note"]:
             lines.append(f"note: rank {row['rank']}: {row['local_rank_note']}")
