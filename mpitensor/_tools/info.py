@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from .._collectives import native
-from .._core import mpi_arithmetic
 from .._core import mpi as _mpi
+from .._core import mpi_arithmetic
 from .._core.kernels import streaming_add
 from .._runtime.context import DistributedContext, local_rank_env_check
 

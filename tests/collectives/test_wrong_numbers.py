@@ -113,7 +113,8 @@ def test_bool_of_any_bytes_reduces_as_numpy_beside_raw_mpi(any_ctx, op, size):
     raw = np.empty_like(mine)
     MPI.COMM_WORLD.Allreduce(mine, raw, {"sum": MPI.LOR, "max": MPI.LOR, "bor": MPI.LOR, "prod": MPI.LAND,
                                          "min": MPI.LAND, "band": MPI.LAND, "bxor": MPI.LXOR}[op])
-    for got in (mt.all_reduce(mine.copy(), op).resolve().numpy(), mt.all_reduce([mine.copy()], op).resolve()[0].numpy()):
+    alone = mt.all_reduce(mine.copy(), op).resolve().numpy()
+    for got in (alone, mt.all_reduce([mine.copy()], op).resolve()[0].numpy()):
         assert got.dtype == np.bool_
         # The bytes themselves: a True must be byte 1, as NumPy writes it.
         assert np.array_equal(got.view(np.uint8), expected.view(np.uint8)), (
