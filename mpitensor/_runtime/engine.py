@@ -750,6 +750,39 @@ class Engine:
                 raise self.mpi_failed(exc, op) from exc
         return op
 
+    def see_stand_in_through(self, op: Op, grace: float) -> None:
+        """Make sure the peers learn what a stand-in check (a failed call) tells them.
+
+        A peer that finds the ranks disagree builds its error from every member's full
+        record, an exchange this rank must take part in: if its program went on to block
+        (in raw MPI, a long compute, a read), the peers would wait in vain. So this waits up
+        to `grace` for the check, as every call does, and if a peer is later than that, a
+        daemon thread goes on pumping the engine until the check is over (or the context
+        cannot go on). Without ``MPI_THREAD_MULTIPLE`` no thread may call MPI beside the
+        program, and the exchange completes at this rank's next call into mpitensor.
+
+        Args:
+            op: the op `post_stand_in` returned.
+            grace: seconds to wait here first.
+        """
+        self._wait_check(op, grace)
+        if op.state != CHECKING or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+            return
+        threading.Thread(target=self._see_through, args=(op,), name="mpitensor-failed-turn", daemon=True).start()
+
+    def _see_through(self, op: Op) -> None:
+        while op.state == CHECKING and self.ctx.usable:
+            if self.lock.acquire(blocking=False):
+                try:
+                    self.progress()
+                except Exception:  # noqa: BLE001 - the program's own next call reports MPI's failure
+                    return
+                finally:
+                    self.lock.release()
+            # The peers are late (past the grace): polling every half millisecond costs
+            # little beside whatever this rank's program does meanwhile.
+            time.sleep(5e-4)
+
     def protect_outputs(self, op: Op, value: Any) -> None:
         """Make `value`'s tensors refuse writes until `op` completes (for assume_resolved)."""
         from .._core.protect import Protection

@@ -97,7 +97,8 @@ def _take_failed_turn(ctx: Any, kind: str, devices: Any, exc: BaseException) -> 
         return
     record = Record(kind, None, None, None, -1, group.members)
     record.failure = f"{type(exc).__name__}: {exc}"
-    ctx.engine.post_stand_in(f"failed {kind}", group, record)
+    engine = ctx.engine
+    engine.see_stand_in_through(engine.post_stand_in(f"failed {kind}", group, record), ctx.config.check_grace)
 
 
 def _thread_error(kind: str, ctx: Any) -> ThreadMisuseError:
