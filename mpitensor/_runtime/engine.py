@@ -775,7 +775,7 @@ class Engine:
             if self.lock.acquire(blocking=False):
                 try:
                     self.progress()
-                except Exception:  # noqa: BLE001 - the program's own next call reports MPI's failure
+                except Exception:  # the program's own next call reports MPI's failure
                     return
                 finally:
                     self.lock.release()
