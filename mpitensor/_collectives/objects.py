@@ -42,7 +42,7 @@ def broadcast_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = 
         root included: it unpickles its own bytes too, so no rank shares the original).
 
     Raises:
-        TypeError, pickle.PicklingError, AttributeError: the root's object cannot be pickled.
+        TypeError: the root's object cannot be pickled (on the root), or unpickled (from `resolve()`).
         ValueError: the root is not in the group (raised on every rank).
         CollectiveMismatchError: the ranks disagree on root or group.
     """
@@ -59,7 +59,7 @@ def broadcast_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = 
         later.value = buffer
         return mpi.broadcast(group, buffer, datatype, index)
 
-    return _start(ctx, group, "broadcast_object", payload, root_at, post, lambda: pickle.loads(later.value))
+    return _start(ctx, group, "broadcast_object", payload, root_at, post, lambda: _loaded(later.value, root_at))
 
 
 def all_gather_object(obj: Any, *, devices: DevicesArg = None) -> CollectiveTensor:
@@ -73,7 +73,7 @@ def all_gather_object(obj: Any, *, devices: DevicesArg = None) -> CollectiveTens
         A `CollectiveTensor` resolving to the list of every rank's object, in group order.
 
     Raises:
-        TypeError, pickle.PicklingError, AttributeError: the object cannot be pickled.
+        TypeError: the object cannot be pickled, or a peer's cannot be unpickled (from `resolve()`).
         CollectiveMismatchError: the ranks disagree on the group.
     """
     ctx = context_for("all_gather_object")
@@ -85,7 +85,7 @@ def all_gather_object(obj: Any, *, devices: DevicesArg = None) -> CollectiveTens
         later.value = (np.empty(sum(sizes), _BYTE), sizes)
         return mpi.all_gatherv(group, payload, later.value[0], sizes, displacements(sizes), datatype)
 
-    return _start(ctx, group, "all_gather_object", payload, -1, post, lambda: _unpickled(*later.value))
+    return _start(ctx, group, "all_gather_object", payload, -1, post, lambda: _unpickled(*later.value, group.members))
 
 
 def gather_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = None) -> CollectiveTensor:
@@ -101,7 +101,7 @@ def gather_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = Non
         group order, and to None elsewhere.
 
     Raises:
-        TypeError, pickle.PicklingError, AttributeError: the object cannot be pickled.
+        TypeError: the object cannot be pickled, or a peer's cannot be unpickled (from `resolve()`).
         ValueError: the root is not in the group (raised on every rank).
         CollectiveMismatchError: the ranks disagree on root or group.
     """
@@ -121,7 +121,7 @@ def gather_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = Non
         return mpi.gatherv(group, payload, gathered, sizes, displs, datatype, index)
 
     def finish() -> list[Any] | None:
-        return None if later.value is None else _unpickled(*later.value)
+        return None if later.value is None else _unpickled(*later.value, group.members)
 
     return _start(ctx, group, "gather_object", payload, root_at, post, finish)
 
@@ -136,14 +136,42 @@ def _start(ctx: Any, group: Group, kind: str, payload: np.ndarray, root: int,
 
 
 def _pickled(obj: Any) -> np.ndarray:
-    """`obj` pickled, as a byte array MPI can send."""
-    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), _BYTE)
+    """`obj` pickled, as a byte array MPI can send.
+
+    Raises:
+        TypeError: `obj` cannot be pickled (whatever pickle raised: its own errors, or those of
+            the object's ``__reduce__``, a recursion too deep), chained to the original.
+    """
+    try:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # pickling runs the object's own code, which may raise anything
+        raise TypeError(
+            f"the object ({type(obj).__qualname__}) cannot be pickled: {type(exc).__name__}: {exc}; "
+            "pass an object pickle can serialize"
+        ) from exc
+    return np.frombuffer(data, _BYTE)
 
 
-def _unpickled(data: np.ndarray, sizes: list[int]) -> list[Any]:
-    """The objects of consecutive pickles of `sizes` bytes in `data`."""
+def _loaded(data: Any, sender: int) -> Any:
+    """One pickle unpickled; what fails is said as a TypeError naming the sender.
+
+    Raises:
+        TypeError: the bytes `sender` sent cannot be unpickled here (a class this rank cannot
+            import, an object whose unpickling raises), chained to the original error.
+    """
+    try:
+        return pickle.loads(data)
+    except Exception as exc:  # unpickling runs the sender's classes' code
+        raise TypeError(
+            f"rank {sender}'s object cannot be unpickled on this rank: {type(exc).__name__}: {exc}; "
+            "objects must be of classes every rank can import and rebuild"
+        ) from exc
+
+
+def _unpickled(data: np.ndarray, sizes: list[int], members: tuple[int, ...]) -> list[Any]:
+    """The objects of consecutive pickles of `sizes` bytes in `data`, sent by `members` in order."""
     view, objects, offset = memoryview(data), [], 0
-    for size in sizes:
-        objects.append(pickle.loads(view[offset:offset + size]))
+    for size, member in zip(sizes, members):
+        objects.append(_loaded(view[offset:offset + size], member))
         offset += size
     return objects

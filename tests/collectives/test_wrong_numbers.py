@@ -204,3 +204,35 @@ def test_out_names_a_torch_tensor_as_torch_s(ctx):
     with pytest.raises(TypeError, match=r"got torch\.Tensor; pass a NumPy array"):
         mt.all_reduce(np.ones(3, np.float32), out=torch.zeros(3))
     still_usable(ctx)
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("no pickling of this")
+
+
+class _FailsToLoad:
+    def __reduce__(self):
+        return (_raise_key_error, ())
+
+
+def _raise_key_error():
+    raise KeyError("missing on the receiver")
+
+
+def test_object_collectives_say_what_cannot_be_pickled_or_unpickled(ctx):
+    with pytest.raises(TypeError, match=r"_Unpicklable\) cannot be pickled: RuntimeError: no pickling of this"):
+        mt.all_gather_object(_Unpicklable())
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    if ctx.rank == 0:
+        with pytest.raises(TypeError, match="cannot be pickled: RecursionError"):
+            mt.broadcast_object(deep, root=0)
+    else:
+        expect_mismatch(lambda: mt.broadcast_object(None, root=0), "rank 0's broadcast_object failed", "RecursionError")
+    # The root's object unpickles to an error on every rank: each says whose object it was.
+    handle = mt.broadcast_object(_FailsToLoad() if ctx.rank == 0 else None, root=0)
+    with pytest.raises(TypeError, match=r"rank 0's object cannot be unpickled on this rank: KeyError"):
+        handle.resolve()
+    still_usable(ctx)
