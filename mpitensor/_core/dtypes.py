@@ -48,50 +48,80 @@ __all__ = [
     "transfer_dtype",
 ]
 
-_NATIVE: dict[np.dtype, Any] = {
-    np.dtype(np.bool_): MPI.C_BOOL,
-    np.dtype(np.int8): MPI.INT8_T,
-    np.dtype(np.int16): MPI.INT16_T,
-    np.dtype(np.int32): MPI.INT32_T,
-    np.dtype(np.int64): MPI.INT64_T,
-    np.dtype(np.uint8): MPI.UINT8_T,
-    np.dtype(np.uint16): MPI.UINT16_T,
-    np.dtype(np.uint32): MPI.UINT32_T,
-    np.dtype(np.uint64): MPI.UINT64_T,
-    np.dtype(np.float32): MPI.FLOAT,
-    np.dtype(np.float64): MPI.DOUBLE,
-    np.dtype(np.longdouble): MPI.LONG_DOUBLE,
-    np.dtype(np.complex64): MPI.C_FLOAT_COMPLEX,
-    np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX,
+# The MPI datatype of each dtype MPI carries as it is, by name: looked up in mpi4py.MPI at
+# the first use, so that importing mpitensor does not import it.
+_NATIVE_NAMES: dict[np.dtype, str] = {
+    np.dtype(np.bool_): "C_BOOL",
+    np.dtype(np.int8): "INT8_T",
+    np.dtype(np.int16): "INT16_T",
+    np.dtype(np.int32): "INT32_T",
+    np.dtype(np.int64): "INT64_T",
+    np.dtype(np.uint8): "UINT8_T",
+    np.dtype(np.uint16): "UINT16_T",
+    np.dtype(np.uint32): "UINT32_T",
+    np.dtype(np.uint64): "UINT64_T",
+    np.dtype(np.float32): "FLOAT",
+    np.dtype(np.float64): "DOUBLE",
+    np.dtype(np.longdouble): "LONG_DOUBLE",
+    np.dtype(np.complex64): "C_FLOAT_COMPLEX",
+    np.dtype(np.complex128): "C_DOUBLE_COMPLEX",
 }
 # float16 has no name in MPI 3; implementations that know it expose it under several names.
-for _name in ("FLOAT16_T", "C_FLOAT16", "SHORT_FLOAT", "REAL2"):
-    _dt = getattr(MPI, _name, MPI.DATATYPE_NULL)
-    if _dt != MPI.DATATYPE_NULL:
-        _NATIVE[np.dtype(np.float16)] = _dt
-        break
+# It travels either way: as 2-byte words where MPI has no float16 (it is reduced in float32).
+_FLOAT16_NAMES = ("FLOAT16_T", "C_FLOAT16", "SHORT_FLOAT", "REAL2")
+_CARRIED = frozenset((*_NATIVE_NAMES, np.dtype(np.float16)))
 
-_ARITHMETIC = {
-    ReduceOperation.SUM: MPI.SUM,
-    ReduceOperation.MEAN: MPI.SUM,
-    ReduceOperation.PROD: MPI.PROD,
-    ReduceOperation.MAX: MPI.MAX,
-    ReduceOperation.MIN: MPI.MIN,
-    ReduceOperation.BAND: MPI.BAND,
-    ReduceOperation.BOR: MPI.BOR,
-    ReduceOperation.BXOR: MPI.BXOR,
-}
-# NumPy's rules for bool: + is or, * is and, max is or, min is and; MPI's bitwise ops are
-# defined on integers only, so bool's bitwise ops are the logical ones.
-_LOGICAL = {
-    ReduceOperation.SUM: MPI.LOR,
-    ReduceOperation.PROD: MPI.LAND,
-    ReduceOperation.MAX: MPI.LOR,
-    ReduceOperation.MIN: MPI.LAND,
-    ReduceOperation.BAND: MPI.LAND,
-    ReduceOperation.BOR: MPI.LOR,
-    ReduceOperation.BXOR: MPI.LXOR,
-}
+
+class _Tables:
+    """The MPI datatypes and ops of dtypes and reductions, made at their first use."""
+
+    def __init__(self) -> None:
+        self._native: dict[np.dtype, Any] | None = None
+        self._ops: tuple[dict[ReduceOperation, Any], dict[ReduceOperation, Any]] | None = None
+
+    @property
+    def native(self) -> dict[np.dtype, Any]:
+        """Dtype -> MPI datatype, for the dtypes MPI knows."""
+        if self._native is None:
+            native = {dtype: getattr(MPI, name) for dtype, name in _NATIVE_NAMES.items()}
+            for name in _FLOAT16_NAMES:
+                found = getattr(MPI, name, MPI.DATATYPE_NULL)
+                if found != MPI.DATATYPE_NULL:
+                    native[np.dtype(np.float16)] = found
+                    break
+            else:
+                native[np.dtype(np.float16)] = MPI.UINT16_T
+            self._native = native
+        return self._native
+
+    @property
+    def arithmetic(self) -> dict[ReduceOperation, Any]:
+        """ReduceOperation -> MPI op, for numbers."""
+        return self._op_tables()[0]
+
+    @property
+    def logical(self) -> dict[ReduceOperation, Any]:
+        """ReduceOperation -> MPI op, for bool (NumPy's rules: + is or, * is and, ...)."""
+        return self._op_tables()[1]
+
+    def _op_tables(self) -> tuple[dict[ReduceOperation, Any], dict[ReduceOperation, Any]]:
+        if self._ops is None:
+            arithmetic = {
+                ReduceOperation.SUM: MPI.SUM, ReduceOperation.MEAN: MPI.SUM, ReduceOperation.PROD: MPI.PROD,
+                ReduceOperation.MAX: MPI.MAX, ReduceOperation.MIN: MPI.MIN, ReduceOperation.BAND: MPI.BAND,
+                ReduceOperation.BOR: MPI.BOR, ReduceOperation.BXOR: MPI.BXOR,
+            }
+            # MPI's bitwise ops are defined on integers only, so bool's bitwise ops are the logical ones.
+            logical = {
+                ReduceOperation.SUM: MPI.LOR, ReduceOperation.PROD: MPI.LAND, ReduceOperation.MAX: MPI.LOR,
+                ReduceOperation.MIN: MPI.LAND, ReduceOperation.BAND: MPI.LAND, ReduceOperation.BOR: MPI.LOR,
+                ReduceOperation.BXOR: MPI.LXOR,
+            }
+            self._ops = (arithmetic, logical)
+        return self._ops
+
+
+_tables = _Tables()
 _BITWISE = (ReduceOperation.BAND, ReduceOperation.BOR, ReduceOperation.BXOR)
 
 
@@ -138,7 +168,7 @@ class ReducePlan:
 
 def supported_dtype_names() -> str:
     """The dtypes collectives accept, as a comma-separated list for error messages."""
-    return ", ".join(sorted(str(dt) for dt in _NATIVE))
+    return ", ".join(sorted(str(dt) for dt in _CARRIED))
 
 
 def _native(dtype: np.dtype) -> np.dtype:
@@ -152,7 +182,7 @@ def transfer_dtype(dtype: np.dtype) -> np.dtype:
         TypeError: MPI cannot carry `dtype` (object, string, structured, ...).
     """
     native = _native(np.dtype(dtype))
-    if native in _NATIVE:
+    if native in _CARRIED:
         return native
     from .halfprec import is_bfloat16
 
@@ -171,7 +201,7 @@ def mpi_datatype(dtype: np.dtype) -> Any:
         TypeError: `dtype` cannot be communicated.
     """
     native = transfer_dtype(dtype)
-    found = _NATIVE.get(native)
+    found = _tables.native.get(native)
     if found is not None:
         return found
     return _byte_type(native.itemsize)
@@ -234,13 +264,13 @@ def _plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
         if divide:
             return ReducePlan(MPI.SUM, MPI.DOUBLE, np.dtype(np.float64), True, combine=np.add)
         if dtype.kind == "b":
-            return ReducePlan(_LOGICAL[op], _NATIVE[dtype], dtype, False, combine=_LOGICAL_UFUNCS[op],
+            return ReducePlan(_tables.logical[op], _tables.native[dtype], dtype, False, combine=_LOGICAL_UFUNCS[op],
                               codec=_BOOL_BYTES)
-        table, ufuncs = _ARITHMETIC, _UFUNCS
+        table, ufuncs = _tables.arithmetic, _UFUNCS
         work = _sum_dtype(dtype) if op is ReduceOperation.SUM and dtype.kind in "iu" else dtype
         if work != dtype:
-            return ReducePlan(MPI.SUM, _NATIVE[work], work, False, dtype, combine=np.add)
-        return ReducePlan(table[op], _NATIVE[dtype], dtype, False, combine=ufuncs[op])
+            return ReducePlan(MPI.SUM, _tables.native[work], work, False, dtype, combine=np.add)
+        return ReducePlan(table[op], _tables.native[dtype], dtype, False, combine=ufuncs[op])
     if extremum:
         maximum = op is ReduceOperation.MAX
         combine = Extremum(dtype, maximum)
@@ -248,13 +278,15 @@ def _plan(op: ReduceOperation, dtype: np.dtype) -> ReducePlan:
             # Complex (lexicographic, as NumPy orders it), and 16-byte long double: NumPy
             # reduces, through a user-defined op.
             codec: Any = CanonicalNan(combine.fill)
-            return ReducePlan(_numpy_op(op, dtype), _NATIVE[dtype], dtype, False, combine=combine, codec=codec)
+            native = _tables.native[dtype]
+            return ReducePlan(_numpy_op(op, dtype), native, dtype, False, combine=combine, codec=codec)
         codec = OrderedKeys(dtype, maximum)
-        return ReducePlan(_ARITHMETIC[op], _NATIVE[codec.int_dtype], dtype, False, combine=combine, codec=codec)
+        keys = _tables.native[codec.int_dtype]
+        return ReducePlan(_tables.arithmetic[op], keys, dtype, False, combine=combine, codec=codec)
     if dtype.itemsize == 2 and dtype.kind in "fV":
         # float16 and bfloat16: reduced in float32, rounded back once (see _halfprec).
-        return ReducePlan(_ARITHMETIC[op], MPI.FLOAT, np.dtype(np.float32), divide, dtype, combine=_UFUNCS[op])
-    return ReducePlan(_ARITHMETIC[op], _NATIVE[dtype], dtype, divide, combine=_UFUNCS[op])
+        return ReducePlan(_tables.arithmetic[op], MPI.FLOAT, np.dtype(np.float32), divide, dtype, combine=_UFUNCS[op])
+    return ReducePlan(_tables.arithmetic[op], _tables.native[dtype], dtype, divide, combine=_UFUNCS[op])
 
 
 _UFUNCS = {

@@ -1,32 +1,31 @@
 """The one module that imports mpi4py: MPI's lifecycle, thread level and capabilities.
 
-mpi4py initializes MPI when ``mpi4py.MPI`` is first imported unless told otherwise; this
-module tells it not to, so that ``import mpitensor`` never starts MPI. The first
-`DistributedContext` calls `ensure_initialized`. mpitensor finalizes MPI only if it
-initialized it, exactly once: when the last context closes (the default), or at interpreter
-exit after `defer_finalize()` (what test suites and notebooks that open many contexts want;
-the bundled pytest plugin calls it). A program that initialized MPI itself keeps ownership.
+``import mpitensor`` neither imports ``mpi4py.MPI`` nor changes ``mpi4py.rc``, so that the
+program's own mpi4py code and libraries built on it (mpi4jax, h5py, petsc4py) find MPI as
+they would without mpitensor. `MPI` here is a stand-in for ``mpi4py.MPI`` that imports it
+at the first use of any of its names, which is the first `DistributedContext` (or another
+call that needs MPI), and initializes MPI then if nobody has: a program that imported
+mpi4py first has MPI initialized by mpi4py and keeps it; otherwise mpitensor calls
+``MPI_Init_thread`` and owns the finalization.
+
+When mpitensor owns MPI, it finalizes it exactly once: when the last context closes, unless
+another module of the program holds ``mpi4py`` or ``mpi4py.MPI`` then (its MPI calls after
+that would abort the job), or `defer_finalize()` / ``MPITENSOR_FINALIZE=exit`` asked for it;
+then at interpreter exit.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib
 import os
 import signal
 import sys
 import threading
+import types
 from collections.abc import Callable
-
-import mpi4py
-
-if "mpi4py.MPI" not in sys.modules:
-    # Only effective before mpi4py.MPI is first imported; if the program imported it
-    # first, MPI is already initialized and belongs to the program.
-    mpi4py.rc.initialize = False
-    mpi4py.rc.finalize = False
-
-from mpi4py import MPI
+from typing import Any
 
 from . import shm_cleanup as _shm_cleanup
 from .errors import MpiFinalizedError
@@ -38,6 +37,7 @@ __all__ = [
     "finalize_policy",
     "is_owner",
     "library_version",
+    "loaded",
     "note_broken",
     "pointer_handles",
     "release",
@@ -47,29 +47,83 @@ __all__ = [
     "world_rank",
 ]
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _owner = False  # mpitensor called Init_thread and so must call Finalize
 _finalized_by_us = False
 _defer = os.environ.get("MPITENSOR_FINALIZE", "close").strip().lower() == "exit"
 _atexit_registered = False
 _before_finalize: list[Callable[[], None]] = []
 _broken: str | None = None  # why a collective can never complete, once one cannot
+_module: Any = None  # mpi4py.MPI, once loaded
 
-_THREAD_NAMES = {
-    MPI.THREAD_SINGLE: "single",
-    MPI.THREAD_FUNNELED: "funneled",
-    MPI.THREAD_SERIALIZED: "serialized",
-    MPI.THREAD_MULTIPLE: "multiple",
-}
+
+def _first_use(name: str) -> Any:
+    """`MPI`'s attribute `name`, at its first use: ``mpi4py.MPI``'s, copied into `MPI`."""
+    if name.startswith("__"):  # introspection (copy, inspect, doctest) loads nothing
+        raise AttributeError(name)
+    return getattr(_load(), name)
+
+
+# A module of its own, not a proxy object: once ``mpi4py.MPI`` is loaded, its names are
+# copied in and the __getattr__ (PEP 562) removed, so that each use is a plain module
+# attribute lookup, as fast as one of ``mpi4py.MPI`` itself (with __getattr__ in its
+# dict, CPython does not specialize the lookup: twice the time).
+MPI: Any = types.ModuleType(__name__ + ".MPI", "mpi4py.MPI, imported (and MPI initialized) at the first use of a name.")
+MPI.__getattr__ = _first_use
+
+
+def loaded() -> bool:
+    """Whether ``mpi4py.MPI`` has been imported in this process (by anyone)."""
+    return "mpi4py.MPI" in sys.modules
+
+
+def _load() -> Any:
+    """Import ``mpi4py.MPI`` and make sure MPI is initialized; the module.
+
+    If the program imported it first, mpi4py initialized MPI as the program's ``mpi4py.rc``
+    said (or the program will); mpitensor keeps out. Otherwise mpitensor imports it with
+    mpi4py's own initialization off, restores ``mpi4py.rc`` at once (it matters for nothing
+    after the import), and initializes MPI itself, as its owner.
+    """
+    global _module
+    with _lock:
+        if _module is not None:
+            return _module
+        if loaded():
+            module = sys.modules["mpi4py.MPI"]
+        else:
+            import mpi4py
+
+            saved = (mpi4py.rc.initialize, mpi4py.rc.finalize)
+            mpi4py.rc.initialize = mpi4py.rc.finalize = False
+            try:
+                module = importlib.import_module("mpi4py.MPI")
+            finally:
+                mpi4py.rc.initialize, mpi4py.rc.finalize = saved
+            _initialize(module)
+        vars(MPI).update((name, value) for name, value in vars(module).items() if not name.startswith("__"))
+        vars(MPI).pop("__getattr__", None)  # also reached again from _initialize, through MPI
+        _module = module
+        return module
+
+
+def _thread_names() -> dict[int, str]:
+    return {
+        MPI.THREAD_SINGLE: "single",
+        MPI.THREAD_FUNNELED: "funneled",
+        MPI.THREAD_SERIALIZED: "serialized",
+        MPI.THREAD_MULTIPLE: "multiple",
+    }
 
 
 def _requested_thread_level() -> int:
     name = os.environ.get("MPITENSOR_THREAD_LEVEL", "multiple").strip().lower()
-    for level, level_name in _THREAD_NAMES.items():
+    names = _thread_names()
+    for level, level_name in names.items():
         if level_name == name:
             return level
     raise ValueError(
-        f"MPITENSOR_THREAD_LEVEL must be one of {', '.join(_THREAD_NAMES.values())}, got {name!r}"
+        f"MPITENSOR_THREAD_LEVEL must be one of {', '.join(names.values())}, got {name!r}"
     )
 
 
@@ -82,24 +136,34 @@ def ensure_initialized() -> int:
     Raises:
         MpiFinalizedError: MPI was already finalized in this process.
     """
-    global _owner, _atexit_registered
+    module = _load()
     with _lock:
-        if MPI.Is_finalized():
-            raise MpiFinalizedError(
-                "MPI was already finalized in this process and cannot be initialized again. "
-                "Open every DistributedContext before the last one closes, or call "
-                "mpitensor.defer_finalize() (or set MPITENSOR_FINALIZE=exit) so that MPI is "
-                "finalized at interpreter exit instead of when the last context closes."
-            )
-        if not MPI.Is_initialized():
-            MPI.Init_thread(_requested_thread_level())
-            _owner = True
-            # A process started without a launcher leaves Open MPI's segment behind otherwise.
-            on_finalize(_shm_cleanup.release_singleton_files)
-            if not _atexit_registered:
-                atexit.register(_finalize_at_exit)
-                _atexit_registered = True
-        return MPI.Query_thread()
+        _initialize(module)
+        return module.Query_thread()
+
+
+def _initialize(module: Any) -> None:
+    """Call ``MPI_Init_thread`` if MPI is not initialized (mpitensor then owns MPI).
+
+    Raises:
+        MpiFinalizedError: MPI was already finalized in this process.
+    """
+    global _owner, _atexit_registered
+    if module.Is_finalized():
+        raise MpiFinalizedError(
+            "MPI was already finalized in this process and cannot be initialized again. "
+            "Open every DistributedContext before the last one closes, or call "
+            "mpitensor.defer_finalize() (or set MPITENSOR_FINALIZE=exit) so that MPI is "
+            "finalized at interpreter exit instead of when the last context closes."
+        )
+    if not module.Is_initialized():
+        module.Init_thread(_requested_thread_level())
+        _owner = True
+        # A process started without a launcher leaves Open MPI's segment behind otherwise.
+        on_finalize(_shm_cleanup.release_singleton_files)
+        if not _atexit_registered:
+            atexit.register(_finalize_at_exit)
+            _atexit_registered = True
 
 
 def on_finalize(callback: Callable[[], None]) -> None:
@@ -111,7 +175,8 @@ def defer_finalize(defer: bool = True) -> None:
     """Keep MPI initialized after the last context closes; finalize it at interpreter exit.
 
     By default, closing the last `DistributedContext` finalizes MPI (when mpitensor
-    initialized it), and MPI cannot be initialized again in that process. Test suites and
+    initialized it, and no other module of the program holds ``mpi4py``), and MPI cannot
+    be initialized again in that process. Test suites and
     notebooks that open and close many contexts call this first (the pytest plugin that
     ships with mpitensor does). ``MPITENSOR_FINALIZE=exit`` does the same.
 
@@ -141,9 +206,31 @@ def release(open_contexts: int) -> bool:
     Returns:
         True if MPI was finalized by this call.
     """
-    if open_contexts or _defer:
+    if open_contexts or _defer or _used_elsewhere():
         return False
     return _finalize()
+
+
+def _used_elsewhere() -> bool:
+    """Whether a module outside mpitensor and mpi4py holds ``mpi4py`` or ``mpi4py.MPI``.
+
+    Such a module (the program's own, mpi4jax, h5py, ...) may call MPI after the last
+    context closes, which would abort the job once MPI is finalized; MPI then stays up
+    until interpreter exit. A program that imports mpi4py only inside functions is not
+    seen here: it calls `defer_finalize()`.
+    """
+    module = sys.modules.get("mpi4py.MPI")
+    package = sys.modules.get("mpi4py")
+    for name, other in list(sys.modules.items()):
+        if name.partition(".")[0] in ("mpitensor", "mpi4py") or other is None:
+            continue
+        try:
+            values = vars(other).values()
+        except TypeError:
+            continue
+        if any(value is module or value is package for value in list(values)):
+            return True
+    return False
 
 
 def _finalize() -> bool:
@@ -196,7 +283,7 @@ def _finalize_at_exit() -> None:
 
 def world_rank() -> int | None:
     """This process's rank in ``MPI_COMM_WORLD``, or None before MPI is initialized."""
-    if MPI.Is_initialized() and not MPI.Is_finalized():
+    if loaded() and MPI.Is_initialized() and not MPI.Is_finalized():
         return MPI.COMM_WORLD.Get_rank()
     return None
 
@@ -208,7 +295,7 @@ def thread_level() -> int:
 
 def thread_level_name(level: int | None = None) -> str:
     """The thread level as a word: single, funneled, serialized or multiple."""
-    return _THREAD_NAMES.get(MPI.Query_thread() if level is None else level, "unknown")
+    return _thread_names().get(MPI.Query_thread() if level is None else level, "unknown")
 
 
 def vendor() -> tuple[str, str]:

@@ -14,15 +14,10 @@ from .settings import PAGE
 # 32767; nothing else sends point-to-point messages there).
 TAG_INFO, TAG_FLAG, TAG_AGREED, TAG_SCATTER, TAG_GATHER, TAG_READY, TAG_COPIED = range(32700, 32707)
 
-# MPI op -> NumPy ufunc, for plans that name no ``combine``. A list: MPI.Op objects are not hashable.
-UFUNCS: list[tuple[Any, Any]] = [
-    (MPI.SUM, np.add),
-    (MPI.PROD, np.multiply),
-    (MPI.MAX, np.maximum),
-    (MPI.MIN, np.minimum),
-    (MPI.LOR, np.logical_or),
-    (MPI.LAND, np.logical_and),
-]
+# MPI op name -> NumPy ufunc, for plans that name no ``combine`` (by name: importing this
+# module must not import mpi4py.MPI, and MPI.Op objects are not hashable).
+_UFUNC_NAMES = (("SUM", np.add), ("PROD", np.multiply), ("MAX", np.maximum), ("MIN", np.minimum),
+                ("LOR", np.logical_or), ("LAND", np.logical_and))
 
 # The descriptor each rank publishes per operation (int64 fields): its blocks, each as
 # (id, fd, inode, length) starting at the field named.
@@ -40,7 +35,7 @@ ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686
 
 def ufunc_for(mpi_op: Any) -> Any:
     """The NumPy ufunc that reduces as predefined `mpi_op` does, or None."""
-    for candidate, ufunc in UFUNCS:
-        if candidate == mpi_op:
+    for name, ufunc in _UFUNC_NAMES:
+        if getattr(MPI, name) == mpi_op:
             return ufunc
     return None
