@@ -38,6 +38,7 @@ __all__ = [
     "is_owner",
     "library_version",
     "loaded",
+    "module",
     "note_broken",
     "pointer_handles",
     "release",
@@ -70,6 +71,15 @@ def _first_use(name: str) -> Any:
 # dict, CPython does not specialize the lookup: twice the time).
 MPI: Any = types.ModuleType(__name__ + ".MPI", "mpi4py.MPI, imported (and MPI initialized) at the first use of a name.")
 MPI.__getattr__ = _first_use
+
+
+def module() -> Any:
+    """``mpi4py.MPI`` itself, imported (and MPI initialized) if it was not.
+
+    For code that needs the module object, such as compiled code that reads its C API
+    (``__pyx_capi__``, which `MPI` does not copy).
+    """
+    return _load()
 
 
 def loaded() -> bool:

@@ -43,7 +43,8 @@ import numpy as np
 from ..._core import state
 from ..._core.config import ReduceOperation, compiled_parts_off
 from ..._core.interop import take_quickly
-from ..._core.mpi import MPI, pointer_handles
+from ..._core.mpi import module as mpi_module
+from ..._core.mpi import pointer_handles
 from ..._core.tensor import TENSOR_FIELDS, Tensor
 from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, SPIN_PAUSES, STATES, Op
 from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried
@@ -129,7 +130,8 @@ def _bind() -> bool:
         return False
     try:
         _lanes.bind(
-            mpi=MPI, pointer_handles=handles, op_class=Op, tensor_class=Tensor, tensor_fields=TENSOR_FIELDS,
+            mpi=mpi_module(), pointer_handles=handles, op_class=Op, tensor_class=Tensor,
+            tensor_fields=TENSOR_FIELDS,
             handle_class=LaneTensor, handle_fields=HANDLE_FIELDS, open_contexts=state.open_contexts,
             states=STATES, later=Later, base_resolve=CollectiveTensor.resolve, agree_stage=AGREE_STAGE,
             header_bytes=HEADER_BYTES, payload_bytes=PAYLOAD_BYTES, row_bytes=ROW_BYTES,
