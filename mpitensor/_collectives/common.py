@@ -363,10 +363,19 @@ def _check_gpu(array: Any, ctx: DistributedContext, what: str) -> None:
         )
 
 
-def start(ctx: DistributedContext, op: Op, value: Any) -> CollectiveTensor:
-    """Submit `op` to the context's engine and wrap it in a handle."""
+def start(ctx: DistributedContext, op: Op, value: Any, back: Any = None) -> CollectiveTensor:
+    """Submit `op` to the context's engine and wrap it in a handle.
+
+    Args:
+        ctx: the context.
+        op: the operation.
+        value: what the handle resolves to (a result, or a `Later`).
+        back: the converter back of the collective's input (`Input.back`, None for
+            mpitensor's own kinds): the handle then gives its result in the input's kind.
+            Every collective passes its input's, so that results follow one rule.
+    """
     ctx.engine.submit(op)
-    return CollectiveTensor(op, value, ctx)
+    return follow(CollectiveTensor(op, value, ctx), back)
 
 
 def check_record(ctx: DistributedContext, group: Group, record: Record) -> Record | None:

@@ -14,7 +14,17 @@ from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Op
 from .._transport import mpi
-from .common import CollectiveTensor, Later, context_for, group_root, result_device, root_rank, start, take_input
+from .common import (
+    CollectiveTensor,
+    Later,
+    context_for,
+    follow,
+    group_root,
+    result_device,
+    root_rank,
+    start,
+    take_input,
+)
 from .gpu_host import staged
 from .layout import axis_arg, displacements, to_front
 
@@ -31,14 +41,16 @@ def gather(
     element.
 
     Args:
-        input: this rank's tensor (a `Tensor` or NumPy array).
+        input: this rank's tensor: a `Tensor`, an array of NumPy, CuPy, torch or JAX (or
+            any DLPack object), or a number.
         root: the rank (in the context, a member of the group) or `Device` that gets the result.
         axis: the axis to concatenate along (negative counts from the end).
         devices: the group; None for every rank of the context.
 
     Returns:
-        A `CollectiveTensor` resolving on the root to the concatenation in group order,
-        and to None elsewhere.
+        A `CollectiveTensor` resolving on the root to the concatenation in group order, in
+        the input's kind (a `Tensor` for NumPy and CuPy arrays, a torch tensor, a JAX array,
+        a list for a Python number), and to None elsewhere.
 
     Raises:
         TypeError: bad input, dtype or axis type.
@@ -50,7 +62,8 @@ def gather(
     group = ctx.group(devices, "gather")
     root_at = root_rank(ctx, root)
     if source.on_gpu:
-        return staged(ctx, source, group, lambda host, members: gather(host, root_at, axis=axis, devices=members))
+        handle = staged(ctx, source, group, lambda host, members: gather(host, root_at, axis=axis, devices=members))
+        return follow(handle, source.back)
     protections = source.guard(ctx)
     array = source.buffer if source.buffer.ndim else source.buffer.reshape(1)
     axis = axis_arg(axis, array.ndim, "gather")
@@ -79,4 +92,4 @@ def gather(
 
     op = Op("gather", group, send.nbytes, post, lambda: later.value, record=record, keep=(send,),
             protections=protections, exchange=True, compare=ctx.config.check)
-    return start(ctx, op, later)
+    return start(ctx, op, later, source.back)

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import reduce_plan
+from .._core.interop import refuse_int_overflow
 from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
@@ -26,6 +27,7 @@ from .common import (
     check_record,
     context_for,
     finish_reduction,
+    follow,
     reduction_buffers,
     reduction_input,
     result_device,
@@ -48,16 +50,19 @@ def scan(
     The group's rank k gets the reduction of the tensors of ranks 0..k (group order).
 
     Args:
-        input: this rank's tensor (a `Tensor` or NumPy array).
+        input: this rank's tensor: a `Tensor`, an array of NumPy, CuPy, torch or JAX (or
+            any DLPack object), or a number.
         op: the reduction; None uses the context's ``config.all_reduce_op``. MEAN divides
             rank k's prefix sum by k + 1.
         devices: the group; None for every rank of the context.
 
     Returns:
-        A `CollectiveTensor` resolving to this rank's prefix reduction.
+        A `CollectiveTensor` resolving to this rank's prefix reduction, in the input's kind
+        (a `Tensor` for NumPy and CuPy arrays, a torch tensor, a JAX array, a Python number).
 
     Raises:
         TypeError: bad input or dtype (or a bitwise op on floats).
+        OverflowError: a Python int whose SUM, MEAN or PROD could leave int64's range.
         CollectiveMismatchError: the ranks disagree on shape, dtype, op or group.
     """
     return _prefix("scan", input, op, devices)
@@ -75,16 +80,18 @@ def exscan(
     op's identity (see the module's notes; NaN for MEAN).
 
     Args:
-        input: this rank's tensor (a `Tensor` or NumPy array).
+        input: this rank's tensor, of the kinds `scan` takes.
         op: the reduction; None uses the context's ``config.all_reduce_op``. MEAN divides
             rank k's prefix sum by k.
         devices: the group; None for every rank of the context.
 
     Returns:
-        A `CollectiveTensor` resolving to this rank's exclusive prefix reduction.
+        A `CollectiveTensor` resolving to this rank's exclusive prefix reduction, in the
+        input's kind.
 
     Raises:
         TypeError: bad input or dtype (or a bitwise op on floats).
+        OverflowError: a Python int whose SUM, MEAN or PROD could leave int64's range.
         CollectiveMismatchError: the ranks disagree on shape, dtype, op or group.
     """
     return _prefix("exscan", input, op, devices)
@@ -96,8 +103,11 @@ def _prefix(kind: str, input: Any, op: Any, devices: DevicesArg) -> CollectiveTe
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     source = take_input(input, ctx, kind)
     group = ctx.group(devices, kind)
+    if type(input) is int:
+        refuse_int_overflow(input, reduce_op.name, group.size, kind)
     if source.on_gpu:
-        return staged(ctx, source, group, lambda host, members: _prefix(kind, host, reduce_op, members))
+        handle = staged(ctx, source, group, lambda host, members: _prefix(kind, host, reduce_op, members))
+        return follow(handle, source.back)
     plan = reduce_plan(reduce_op, source.buffer.dtype)
     array = source.array
     send, protections = reduction_input(ctx, source, plan)
@@ -122,7 +132,7 @@ def _prefix(kind: str, input: Any, op: Any, devices: DevicesArg) -> CollectiveTe
     record = check_record(ctx, group, Record(kind, reduce_op, array.dtype, array.shape, -1, group.members))
     collective = Op(kind, group, array.nbytes, post, finish, record=record, keep=(send, out, final),
                     protections=protections)
-    return start(ctx, collective, result)
+    return start(ctx, collective, result, source.back)
 
 
 def identity(op: ReduceOperation, dtype: np.dtype) -> np.ndarray:

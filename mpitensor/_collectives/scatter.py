@@ -10,12 +10,23 @@ import numpy as np
 
 from .._core.device import Device
 from .._core.dtypes import mpi_datatype, transfer_dtype
+from .._core.interop import numpy_dtype
 from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Op
 from .._transport import mpi
-from .common import CollectiveTensor, check_record, context_for, group_root, result_device, root_rank, start, take_input
+from .common import (
+    CollectiveTensor,
+    check_record,
+    context_for,
+    follow,
+    group_root,
+    result_device,
+    root_rank,
+    start,
+    take_input,
+)
 from .gpu_host import staged
 from .layout import axis_arg, displacements, to_front
 
@@ -34,24 +45,32 @@ def scatter(
     the group's k-th rank; every rank gets its block as a fresh tensor.
 
     Args:
-        input: on the root, the whole tensor. Elsewhere None (with `shape` and `dtype`),
-            or a tensor of the root's whole shape and dtype, used only as a template.
+        input: on the root, the whole tensor: a `Tensor`, an array of NumPy, CuPy, torch
+            or JAX, or any DLPack object. Elsewhere None (with `dtype`, and `shape` where
+            `counts` does not give it), or a tensor of the root's whole shape and dtype,
+            used only as a template (its kind is the result's).
         root: the sending rank (in the context, a member of the group) or its `Device`.
         axis: the axis to split along (negative counts from the end).
         counts: the length of each rank's block along `axis`, in group order (summing to
             that length); None for equal blocks. Every rank passes the same counts.
-        shape, dtype: the root's whole shape and dtype, on ranks that pass None.
+        shape: the root's whole shape, on ranks that pass None. With `counts`, it may give
+            None as the length along `axis` (the sum of `counts`), and may be left out
+            for a 1-D tensor.
+        dtype: the root's dtype (NumPy's, torch's or JAX's), on ranks that pass None.
         devices: the group; None for every rank of the context.
 
     Returns:
-        A `CollectiveTensor` resolving to this rank's block (on a rank that passed None,
-        a CPU tensor).
+        A `CollectiveTensor` resolving to this rank's block, in the input's kind (a
+        `Tensor` for NumPy and CuPy arrays, a torch tensor, a JAX array); on a rank that
+        passed None, a CPU `Tensor`.
 
     Raises:
-        TypeError: the root passes None, a non-root passes None without shape and
-            dtype, or bad input, dtype, axis or counts types.
-        ValueError: bad axis, a 0-d tensor, counts that do not fit, a length that does
-            not divide into equal blocks, or a root outside the group.
+        TypeError: the root passes None, a non-root passes None without `dtype` (or
+            without a `shape` that `counts` cannot stand for), or bad input, dtype,
+            shape, axis or counts types.
+        ValueError: bad axis, a 0-d tensor, a `shape` with None elsewhere than at `axis`,
+            counts that do not fit, a length that does not divide into equal blocks, or
+            a root outside the group.
         CollectiveMismatchError: the ranks disagree on shape, dtype, axis, counts, root or group.
     """
     ctx = context_for("scatter")
@@ -60,11 +79,13 @@ def scatter(
     is_root = root_at == ctx.rank
     source = None if input is None else take_input(input, ctx, "scatter")
     if source is not None and source.on_gpu:
-        return staged(ctx, source, group, lambda host, members: scatter(
+        handle = staged(ctx, source, group, lambda host, members: scatter(
             host, root_at, axis=axis, counts=counts, devices=members))
-    whole, whole_dtype = _whole(is_root, source, shape, dtype)
+        return follow(handle, source.back)
+    given = _counts_arg(counts)
+    whole, whole_dtype = _whole(is_root, source, (shape, dtype), axis, given)
     axis = axis_arg(axis, len(whole), "scatter")
-    blocks = _blocks(whole[axis], group.size, counts)
+    blocks = _blocks(whole[axis], group.size, given)
     out, result = _receive(ctx, source, whole, whole_dtype, axis, blocks[group.rank])
     send, protections = _send_buffer(ctx, source if is_root else None, axis)
     datatype, uniform = mpi_datatype(whole_dtype), counts is None
@@ -78,10 +99,10 @@ def scatter(
         displs = None if send is None else displacements(elements)
         return mpi.scatterv(group, send, elements, displs, out, datatype, index)
 
-    record = _record(whole_dtype, whole, root_at, group.members, axis, counts)
+    record = _record(whole_dtype, whole, root_at, group.members, axis, given)
     op = Op("scatter", group, out.nbytes, post, lambda: result, record=check_record(ctx, group, record),
             keep=(send, out), protections=protections)
-    return start(ctx, op, result)
+    return start(ctx, op, result, None if source is None else source.back)
 
 
 def _receive(ctx: Any, source: Any, whole: tuple[int, ...], dtype: np.dtype, axis: int,
@@ -101,12 +122,22 @@ def _send_buffer(ctx: Any, source: Any, axis: int) -> tuple[Any, tuple[Any, ...]
     return send, protections
 
 
-def _whole(is_root: bool, source: Any, shape: Any, dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
+def _whole(is_root: bool, source: Any, described: tuple[Any, Any], axis: Any,
+           counts: list[int] | None) -> tuple[tuple[int, ...], np.dtype]:
     """The root's whole shape and dtype, from the input or from `shape` and `dtype`.
 
+    Args:
+        is_root: whether this rank is the root.
+        source: the input taken, or None.
+        described: the `shape` and `dtype` arguments.
+        axis: the `axis` argument.
+        counts: the checked counts, or None.
+
     Raises:
-        TypeError: the root passes None, or `shape` or `dtype` is missing or not a dtype.
-        ValueError: the tensor has no dimension to split.
+        TypeError: the root passes None, or `dtype` is missing or not a dtype, or `shape`
+            is missing where `counts` cannot give it.
+        ValueError: the tensor has no dimension to split, or `shape` leaves out another
+            length than the one along `axis`.
     """
     if source is not None:
         if not source.buffer.ndim:
@@ -114,19 +145,67 @@ def _whole(is_root: bool, source: Any, shape: Any, dtype: Any) -> tuple[tuple[in
         return tuple(source.buffer.shape), source.buffer.dtype
     if is_root:
         raise TypeError("scatter: the root must pass the tensor to split, got None")
-    if shape is None or dtype is None:
+    shape, dtype = described
+    if dtype is None or (shape is None and counts is None):
         raise TypeError(
-            "scatter: a non-root rank passing input=None must give shape= and dtype= of the root's whole tensor"
+            "scatter: a non-root rank passing input=None must give shape= and dtype= of the root's whole "
+            "tensor (with counts=, shape= may give None as the length along axis, and a 1-D tensor needs "
+            "no shape=)"
         )
-    whole = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-    return whole, transfer_dtype(np.dtype(dtype))
+    return _described_shape(shape, axis, counts), transfer_dtype(numpy_dtype(dtype))
 
 
-def _blocks(length: int, size: int, counts: Sequence[int] | None) -> list[int]:
-    """Each rank's length along the axis: `counts`, checked, or equal blocks.
+def _described_shape(shape: Any, axis: Any, counts: list[int] | None) -> tuple[int, ...]:
+    """The whole shape a non-root rank describes: `shape`, its None along `axis` the sum of `counts`.
+
+    Raises:
+        TypeError: `shape` is not an int or a sequence of ints (and None), or it leaves the
+            length out without `counts`.
+        ValueError: `shape` leaves out another length than the one along `axis`.
+    """
+    if shape is None:  # only with counts (checked by the caller): a 1-D tensor
+        return (sum(counts or ()),)
+    dims = [shape] if isinstance(shape, (int, np.integer)) else shape
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or not all(
+        d is None or (isinstance(d, (int, np.integer)) and not isinstance(d, bool)) for d in dims
+    ):
+        raise TypeError(f"scatter: shape must be a tuple of ints (None for the length along axis), got {shape!r}")
+    dims = list(dims)
+    if None in dims:
+        at = axis_arg(axis, len(dims), "scatter")
+        if dims.count(None) > 1 or dims[at] is not None:
+            raise ValueError(
+                f"scatter: shape may give None only as the length along axis {axis} (the sum of counts), "
+                f"got {tuple(dims)}"
+            )
+        if counts is None:
+            raise TypeError(
+                f"scatter: shape {tuple(dims)} leaves the length along axis {axis} to counts=, which was not "
+                "given; pass counts= or that length"
+            )
+        dims[at] = sum(counts)
+    return tuple(int(d) for d in dims)
+
+
+def _counts_arg(counts: Sequence[int] | None) -> list[int] | None:
+    """`counts` as a list of ints, or None.
 
     Raises:
         TypeError: `counts` is not a sequence of ints.
+    """
+    if counts is None:
+        return None
+    if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not all(
+        isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in counts
+    ):
+        raise TypeError(f"scatter: counts must be a sequence of ints, one per rank, got {counts!r}")
+    return [int(c) for c in counts]
+
+
+def _blocks(length: int, size: int, counts: list[int] | None) -> list[int]:
+    """Each rank's length along the axis: `counts`, checked, or equal blocks.
+
+    Raises:
         ValueError: `counts` has the wrong length, a negative entry or the wrong sum; or,
             without counts, `length` does not divide by `size`.
     """
@@ -137,17 +216,12 @@ def _blocks(length: int, size: int, counts: Sequence[int] | None) -> list[int]:
                 "pass counts= with each rank's length"
             )
         return [length // size] * size
-    if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence) or not all(
-        isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in counts
-    ):
-        raise TypeError(f"scatter: counts must be a sequence of ints, one per rank, got {counts!r}")
-    blocks = [int(c) for c in counts]
-    if len(blocks) != size or min(blocks) < 0 or sum(blocks) != length:
+    if len(counts) != size or min(counts, default=0) < 0 or sum(counts) != length:
         raise ValueError(
             f"scatter: counts must give {size} non-negative lengths (one per rank of the group) summing "
-            f"to the length {length} along the axis, got {blocks}"
+            f"to the length {length} along the axis, got {counts}"
         )
-    return blocks
+    return counts
 
 
 class _ScatterRecord(Record):
@@ -163,8 +237,8 @@ class _ScatterRecord(Record):
 
 
 def _record(dtype: np.dtype, whole: tuple[int, ...], root: int, members: tuple[int, ...], axis: int,
-            counts: Sequence[int] | None) -> Record:
-    blocks = None if counts is None else tuple(int(c) for c in counts)
+            counts: list[int] | None) -> Record:
+    blocks = None if counts is None else tuple(counts)
     record = _ScatterRecord("scatter", None, dtype, whole, root, members,
                             extra=hash((axis, -1 if blocks is None else blocks)) & _MASK)
     record.text = f"axis={axis}, counts={'equal' if blocks is None else list(blocks)}"

@@ -104,3 +104,80 @@ def test_a_length_that_does_not_divide_is_rejected(module_ctx):
         mt.scatter(np.ones(ctx.size + 1), 0)
     with pytest.raises(ValueError, match="got a 0-d one"):
         mt.scatter(np.array(1.0), 0)
+
+
+def _blocks_of(whole: np.ndarray, counts: list[int], rank: int, axis: int = 0) -> np.ndarray:
+    """Rank `rank`'s block of `whole` split along `axis` by `counts` (the NumPy reference)."""
+    return np.split(whole, np.cumsum(counts)[:-1], axis=axis)[rank]
+
+
+def test_counts_give_a_non_root_the_length_of_a_1d_tensor(module_ctx):
+    ctx = module_ctx
+    counts = [(k % 3) + 1 for k in range(ctx.size)]
+    whole = rank_input(21, 1000, (sum(counts),), np.float32)
+    mine = whole if ctx.rank == 0 else None
+    got = mt.scatter(mine, 0, counts=counts, dtype=np.float32).resolve()
+    assert isinstance(got, mt.Tensor) and same(got, _blocks_of(whole, counts, ctx.rank))
+
+
+@pytest.mark.parametrize(("axis", "trailing"), [(0, (None, 3)), (1, (2, None)), (-1, (2, None))],
+                         ids=["first", "second", "negative"])
+def test_counts_stand_for_the_split_length_of_a_shape(module_ctx, axis, trailing):
+    ctx = module_ctx
+    counts = [k + 1 for k in range(ctx.size)]
+    full = tuple(sum(counts) if d is None else d for d in trailing)
+    whole = rank_input(22, 1000, full, np.int32)
+    mine = whole if ctx.rank == ctx.size - 1 else None
+    got = mt.scatter(mine, ctx.size - 1, axis=axis, counts=counts, shape=trailing, dtype="int32").resolve()
+    assert same(got, _blocks_of(whole, counts, ctx.rank, axis))
+
+
+def test_a_torch_dtype_describes_the_root_tensor(module_ctx):
+    torch = pytest.importorskip("torch")
+    ctx = module_ctx
+    whole = np.arange(2 * ctx.size, dtype=np.float32)
+    got = mt.scatter(whole if ctx.rank == 0 else None, 0, counts=[2] * ctx.size, dtype=torch.float32).resolve()
+    assert same(got, whole[2 * ctx.rank : 2 * ctx.rank + 2])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"dtype": np.float32, "shape": (None, 3)}, TypeError,
+         r"shape \(None, 3\) leaves the length along axis 0 to counts=, which was not given"),
+        ({"dtype": np.float32, "shape": (2, None), "counts": "each"}, ValueError,
+         r"shape may give None only as the length along axis 0 \(the sum of counts\), got \(2, None\)"),
+        ({"dtype": np.float32, "shape": (None, None), "counts": "each"}, ValueError,
+         "shape may give None only as the length along axis 0"),
+        ({"dtype": np.float32, "shape": "ab", "counts": "each"}, TypeError,
+         "shape must be a tuple of ints .None for the length along axis., got 'ab'"),
+        ({"counts": "each"}, TypeError, "must give shape= and dtype= of the root's whole tensor .with counts="),
+        ({"dtype": np.float32}, TypeError, "must give shape= and dtype= of the root's whole tensor"),
+    ],
+    ids=["none-without-counts", "none-elsewhere", "two-nones", "bad-shape", "no-dtype", "no-shape-no-counts"],
+)
+@pytest.mark.mpi(min_size=2)
+def test_a_non_root_describing_badly_is_told_and_the_root_learns_of_it(module_ctx, kwargs, error, message):
+    ctx = module_ctx
+    kwargs = dict(kwargs)
+    if kwargs.get("counts") == "each":
+        kwargs["counts"] = [1] * ctx.size
+    whole = np.ones((ctx.size, 3), np.float32)
+    if ctx.rank == 0:
+        with pytest.raises(mt.CollectiveMismatchError, match=r"scatter failed on that rank: " + error.__name__):
+            mt.scatter(whole, 0, counts=kwargs.get("counts")).resolve()
+    else:
+        with pytest.raises(error, match=message):
+            mt.scatter(None, 0, **kwargs)
+    assert mt.all_reduce(np.ones(1)).resolve().item() == ctx.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_trailing_shape_the_counts_complete_wrongly_is_a_mismatch(module_ctx):
+    ctx = module_ctx
+    counts = [1] * ctx.size
+    mine = np.ones((ctx.size, 3), np.float32) if ctx.rank == 0 else None  # elsewhere 1-D from counts alone
+    with pytest.raises(mt.CollectiveMismatchError,
+                       match=rf"Mismatched scatter tensor shapes: .*\({ctx.size}, 3\).*\({ctx.size},\)"):
+        mt.scatter(mine, 0, counts=counts, dtype=np.float32).resolve()
+    assert mt.all_reduce(np.ones(1)).resolve().item() == ctx.size
