@@ -45,6 +45,7 @@ from ._core.errors import (
     NoContextError,
     TensorInFlightError,
     ThreadMisuseError,
+    TracedArrayError,
 )
 from ._core.mpi import defer_finalize
 from ._core.tensor import Tensor, arange, as_tensor, empty, from_numpy, full, ones, tensor, zeros
@@ -86,6 +87,7 @@ __all__ = [
     "Tensor",
     "TensorInFlightError",
     "ThreadMisuseError",
+    "TracedArrayError",
     "__version__",
     "all_gather",
     "all_gather_object",

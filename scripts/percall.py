@@ -4,8 +4,8 @@
 
 Each round times short batches of every case in turn (raw ``Iallreduce`` + ``Wait`` at 8 B,
 1 KiB and 64 KiB and of a packed 1 MiB buffer; mpitensor with the check off at those sizes
-and with it on at 8 B; 8 B given as a CPU torch tensor (when torch is installed) and as a
-Python float, check off; the fused all-reduce of 256 x 4 KiB, check off and on). Each figure
+and with it on at 8 B; 8 B given as a CPU torch tensor and as a JAX array (when installed)
+and as a Python float, check off; the fused all-reduce of 256 x 4 KiB, check off and on). Each figure
 is the 10th percentile of its batches (the slowest rank's clock is not needed: every batch
 starts at a barrier), so other programs' bursts on the machine do not move it much. Rank 0
 prints one JSON line of ratios and times. To compare two trees, run it alternately with
@@ -28,6 +28,10 @@ try:
     import torch
 except ImportError:
     torch = None
+try:
+    import jax.numpy as jnp
+except ImportError:
+    jnp = None
 
 _SIZES = {8: 200, 1024: 200, 65536: 40}  # bytes: calls per batch
 
@@ -69,6 +73,9 @@ def main(rounds: int) -> None:
                     if torch is not None:
                         small = torch.ones(2)
                         run("mt torch 8", lambda t=small: mt.all_reduce(t).resolve(), _SIZES[8])
+                    if jnp is not None:
+                        small_jax = jnp.ones(2, jnp.float32)
+                        run("mt jax 8", lambda t=small_jax: mt.all_reduce(t).resolve(), _SIZES[8])
                     run("mt float 8", lambda: mt.all_reduce(0.5).resolve(), _SIZES[8])
                 tensors = [mt.from_numpy(leaf) for leaf in leaves]
                 mt.all_reduce(tensors).resolve()  # a new context's first large call sets up shared memory
@@ -81,6 +88,8 @@ def main(rounds: int) -> None:
             "64 KiB check off": low["mt 65536"] / low["raw 65536"],
             "8 B check on": low["mt on 8"] / low["raw 8"],
             **({"8 B torch, check off": low["mt torch 8"] / low["raw 8"]} if torch is not None else {}),
+            **({"8 B JAX, check off": low["mt jax 8"] / low["raw 8"],
+                "8 B JAX / NumPy, check off": low["mt jax 8"] / low["mt 8"]} if jnp is not None else {}),
             "8 B Python float, check off": low["mt float 8"] / low["raw 8"],
             "fused 256 x 4 KiB / raw packed, check off": low["fused"] / low["raw packed"],
             "fused, check on": low["fused on"] / low["raw packed"],

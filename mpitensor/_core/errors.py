@@ -18,6 +18,7 @@ __all__ = [
     "NoContextError",
     "TensorInFlightError",
     "ThreadMisuseError",
+    "TracedArrayError",
 ]
 
 
@@ -74,4 +75,14 @@ class ThreadMisuseError(MpitensorError, RuntimeError):
 
     Ranks run collectives in call order; calls from several threads would interleave
     differently on each rank and pair one thread's data with another's.
+    """
+
+
+class TracedArrayError(MpitensorError, TypeError):
+    """A collective got a JAX tracer: a value inside ``jax.jit``, ``grad``, ``vmap``, ``jvp``...
+
+    The eager collectives communicate concrete data when called; under a JAX
+    transformation there is none yet. Raised on the calling rank before anything is sent
+    (its peers learn of it as of any bad argument); `mpitensor.jax` has the collectives
+    that run inside transformations.
     """

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .._core.errors import DeviceError, MpitensorError, ThreadMisuseError
+from .._core.errors import DeviceError, MpitensorError, ThreadMisuseError, TracedArrayError
 from .._core.mpi import MPI
 from .._core.state import open_contexts
 from .check import Record
@@ -76,7 +76,7 @@ def collective_entry(kind: str) -> Callable[[F], F]:
 
 def _is_local(exc: BaseException) -> bool:
     """True for errors of this rank's own arguments (not the outcome of a check or of MPI)."""
-    return isinstance(exc, DeviceError) or not isinstance(exc, MpitensorError)
+    return isinstance(exc, (DeviceError, TracedArrayError)) or not isinstance(exc, MpitensorError)
 
 
 def _take_failed_turn(ctx: Any, kind: str, devices: Any, exc: BaseException) -> None:

@@ -203,3 +203,111 @@ def test_factories_take_foreign_data_and_dtypes():
     assert mt.tensor([1, 2], dtype=torch.float32).dtype == np.float32
     with pytest.raises(TypeError, match=r"as_tensor expects data to be .* got object"):
         mt.as_tensor(object())
+
+
+def _aligned(count: int, dtype: type, offset: int = 0) -> np.ndarray:
+    """A writable array of `count` elements starting `offset` bytes past a 64-byte boundary."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.zeros(count * itemsize + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    return raw[start : start + count * itemsize].view(dtype)
+
+
+def test_jax_results_share_an_aligned_buffer_on_the_input_device():
+    jax = pytest.importorskip("jax")
+    source = jax.numpy.arange(4.0)
+    buffer = _aligned(4, np.float32)
+    buffer[:] = [1.0, 2.0, 3.0, 4.0]
+    back = interop.take(source, CPU, "all_reduce").back(_result(buffer))
+    assert isinstance(back, jax.Array) and back.dtype == np.float32
+    assert back.devices() == source.devices()
+    assert back.unsafe_buffer_pointer() == buffer.ctypes.data  # zero copy
+    np.testing.assert_array_equal(np.asarray(back), [1.0, 2.0, 3.0, 4.0])
+
+
+def test_jax_copies_what_it_cannot_take_and_the_values_stay():
+    jax = pytest.importorskip("jax")
+    back = interop.take(jax.numpy.arange(3.0), CPU, "all_reduce").back
+    unaligned = _aligned(3, np.float32, offset=16)
+    unaligned[:] = [5.0, 6.0, 7.0]
+    in_flight = _aligned(3, np.float32)
+    in_flight[:] = [1.0, 1.0, 1.0]
+    in_flight.flags.writeable = False  # a result in flight (assume_resolved): JAX must not see it change
+    strided = np.arange(6, dtype=np.float32)[::2]
+    for array in (unaligned, in_flight, strided):
+        expected = array.copy()
+        result = back(_result(array))
+        assert result.unsafe_buffer_pointer() != array.ctypes.data
+        assert result.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(result), expected)
+
+
+def test_jax_results_keep_their_dtype_rules():
+    jax = pytest.importorskip("jax")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    back = interop.take(jax.numpy.ones(2, jax.numpy.bfloat16), CPU, "all_reduce").back
+    halves = np.array([1.5, -2.0], ml_dtypes.bfloat16)
+    got = back(_result(halves))
+    assert got.dtype == jax.numpy.bfloat16 and np.asarray(got).tolist() == [1.5, -2.0]
+    flags = back(_result(_aligned(2, np.bool_)))
+    assert flags.dtype == np.bool_
+    # Without x64, JAX keeps no float64: a MEAN of int32 comes back as JAX's float, as device_put gives it.
+    wide = back(_result(np.array([0.5, 1.5])))
+    assert wide.dtype == jax.dtypes.canonicalize_dtype(np.float64)
+    np.testing.assert_array_equal(np.asarray(wide), [0.5, 1.5])
+
+
+def test_jax_results_hold_the_pooled_buffer_while_they_live():
+    jax = pytest.importorskip("jax")
+    pool = HostPool(min_bytes=0)
+    kept = [pool.empty((1024,), np.dtype(np.float32)) for _ in range(8)]
+    buffer = next(b for b in kept if b.ctypes.data % 64 == 0)  # NumPy's 4 KiB blocks are 64-byte aligned
+    buffer[:] = 7.0
+    address = buffer.ctypes.data
+    del kept
+    result = interop.take(jax.numpy.ones(1024), CPU, "all_reduce").back(_result(buffer))
+    assert result.unsafe_buffer_pointer() == address
+    del buffer
+    gc.collect()
+    assert pool.cached_bytes == 7 * 4096  # the other blocks came back; the JAX array holds its own
+    again = [pool.empty((1024,), np.dtype(np.float32)) for _ in range(8)]
+    for block in again:
+        block.fill(0.0)
+    assert address not in [a.ctypes.data for a in again]
+    assert bool((result == 7.0).all())
+    del result, again, block
+    gc.collect()
+    assert pool.cached_bytes == 9 * 4096  # only now is its block back in the pool
+
+
+def test_small_concrete_jax_arrays_take_the_quick_way_and_tracers_do_not():
+    jax = pytest.importorskip("jax")
+    small = jax.numpy.arange(4, dtype=jax.numpy.int32)
+    array, back = interop.take_quickly(small, 64)
+    assert array.ctypes.data == small.unsafe_buffer_pointer()  # a view; the lanes copy it at the call
+    assert isinstance(back(_result(np.arange(4, dtype=np.int32) * 2)), jax.Array)
+    assert interop.take_quickly(jax.numpy.ones(32), 64) is None  # 128 bytes: the general path's
+    seen = []
+    jax.jit(lambda x: seen.append(interop.take_quickly(x, 64)) or x)(small)
+    assert seen == [None]
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad", "vmap", "jvp"])
+def test_jax_tracers_are_refused_with_a_pointer_to_mpitensor_jax(transform):
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    def take(x):
+        interop.take(x, CPU, "all_reduce")
+        return x.sum()
+
+    run = {
+        "jit": lambda: jax.jit(take)(jnp.ones(3)),
+        "grad": lambda: jax.grad(take)(jnp.ones(3)),
+        "vmap": lambda: jax.vmap(take)(jnp.ones((2, 3))),
+        "jvp": lambda: jax.jvp(take, (jnp.ones(3),), (jnp.ones(3),)),
+    }[transform]
+    with pytest.raises(mt.TracedArrayError, match=r"all_reduce got a traced JAX value \(\w+Tracer\)") as raised:
+        run()
+    assert isinstance(raised.value, TypeError) and isinstance(raised.value, mt.MpitensorError)
+    assert "use mpitensor.jax's collectives inside jax.jit/grad/vmap" in str(raised.value)
