@@ -18,12 +18,13 @@ import numpy as np
 
 from .._core.config import ReduceOperation
 from .._core.dtypes import reduce_plan
+from .._core.interop import structure_back
 from .._core.tensor import wrap_array
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
 from .._transport import mpi
-from .common import Input, check_record, group_root, root_rank, start, take_input
+from .common import Input, check_record, follow, group_root, root_rank, start, take_input
 from .fused import describe_entries, flatten, plan_buckets, rebuild, structure_hash
 from .options import (
     axis_arg,
@@ -44,8 +45,10 @@ def is_structure(value: Any) -> bool:
 
 
 def _leaves(ctx: DistributedContext, structure: Any, what: str, unsupported: dict[str, Any]) -> tuple[
-        list[Any], list[Input]]:
-    """The keys and the inputs of a structure's leaves.
+        list[Any], list[Input], Any]:
+    """The keys and the inputs of a structure's leaves, and the converter back of the result.
+
+    Leaves of other libraries (torch, JAX, numbers) come back in their own kind.
 
     Raises:
         TypeError: an option grouped calls do not take, a leaf that is not a host
@@ -56,7 +59,7 @@ def _leaves(ctx: DistributedContext, structure: Any, what: str, unsupported: dic
     inputs = [take_input(value, ctx, what, f"every tensor of the {type(structure).__name__}") for value in values]
     if any(item.on_gpu for item in inputs):
         raise TypeError(f"{what}: grouped calls take host tensors only; pass GPU tensors one at a time")
-    return keys, inputs
+    return keys, inputs, structure_back(keys, [item.back for item in inputs], type(structure))
 
 
 def _record(ctx: DistributedContext, kind: str, op: ReduceOperation | None, root: int, group: Group,
@@ -95,7 +98,7 @@ def grouped_all_gather(ctx: DistributedContext, structure: Any, axis: Any, devic
         TypeError: a bad leaf, `out=`, or `axis` not an int.
         ValueError: `axis` out of range for some tensor.
     """
-    keys, inputs = _leaves(ctx, structure, "all_gather", {"out": out})
+    keys, inputs, back = _leaves(ctx, structure, "all_gather", {"out": out})
     group = ctx.group(devices, "all_gather")
     buffers = [item.buffer if item.buffer.ndim else item.buffer.reshape(1) for item in inputs]
     axes = [axis_arg(axis, buffer.ndim, "all_gather") for buffer in buffers]
@@ -129,7 +132,7 @@ def grouped_all_gather(ctx: DistributedContext, structure: Any, axis: Any, devic
         record.extra ^= hash(tuple(axes)) & 0xFFFF
     op = Op("grouped all_gather", group, sum(b.nbytes for b in buffers), post, finish, record=record,
             keep=(*sends, *recvs))
-    return start(ctx, op, value)
+    return start(ctx, op, value, back)
 
 
 def grouped_broadcast(ctx: DistributedContext, structure: Any, root: Any, devices: DevicesArg, out: Any) -> Any:
@@ -143,7 +146,7 @@ def grouped_broadcast(ctx: DistributedContext, structure: Any, root: Any, device
     Raises:
         TypeError: a bad leaf (None included), or `out=`.
     """
-    keys, inputs = _leaves(ctx, structure, "broadcast", {"out": out})
+    keys, inputs, back = _leaves(ctx, structure, "broadcast", {"out": out})
     group = ctx.group(devices, "broadcast")
     root_at = root_rank(ctx, root)
     buffers = [item.buffer for item in inputs]
@@ -168,7 +171,7 @@ def grouped_broadcast(ctx: DistributedContext, structure: Any, root: Any, device
     record = _record(ctx, "grouped broadcast", None, root_at, group, keys, buffers)
     op = Op("grouped broadcast", group, sum(b.nbytes for b in buffers), post, lambda: value, record=record,
             keep=tuple(packed))
-    return start(ctx, op, value)
+    return start(ctx, op, value, back)
 
 
 def grouped_reduce_scatter(ctx: DistributedContext, structure: Any, op: ReduceOperation, devices: DevicesArg,
@@ -185,7 +188,7 @@ def grouped_reduce_scatter(ctx: DistributedContext, structure: Any, op: ReduceOp
         TypeError: a bad leaf or factor, `counts=` or `out=`.
         ValueError: a tensor whose first dimension the group size does not divide.
     """
-    keys, inputs = _leaves(ctx, structure, "reduce_scatter", {"counts": counts, "out": out})
+    keys, inputs, back = _leaves(ctx, structure, "reduce_scatter", {"counts": counts, "out": out})
     group = ctx.group(devices, "reduce_scatter")
     n = group.size
     buffers = [item.buffer for item in inputs]
@@ -214,8 +217,9 @@ def grouped_reduce_scatter(ctx: DistributedContext, structure: Any, op: ReduceOp
         sends.append(send)
         works.append(work)
         finals.append(final)
-    return _start_reduce_scatter(ctx, group, structure, keys, buffers, op, buckets, (sends, works, finals),
-                                 results, factors)
+    handle = _start_reduce_scatter(ctx, group, structure, keys, buffers, op, buckets, (sends, works, finals),
+                                   results, factors)
+    return follow(handle, back)
 
 
 def _start_reduce_scatter(ctx: DistributedContext, group: Group, structure: Any, keys: list[Any],

@@ -165,7 +165,7 @@ def take(value: Any, device: Device, what: str, argument: str = "input") -> Take
         return _take_torch(value, device, what)
     if _is_jax(value):
         return _take_jax(value, device, what)
-    return Taken(to_array(value, device, what, argument), None, False)
+    return Taken(to_array(value, device, what, argument), _namespace_back_of(value), False)
 
 
 _INT64 = 1 << 63
@@ -432,6 +432,26 @@ def _jax_device(array: Any, what: str) -> Any:
 
 
 # -- results out ----------------------------------------------------------------------------
+
+
+def _namespace_back_of(value: Any) -> Back | None:
+    """The converter back of an array of an Array API library, through its ``from_dlpack``.
+
+    Any other object that only speaks DLPack or an array interface has no library to go
+    back to: its result stays a `Tensor` (which speaks both), and None is returned.
+    """
+    get_namespace = getattr(value, "__array_namespace__", None)
+    convert = getattr(get_namespace(), "from_dlpack", None) if callable(get_namespace) else None
+    return None if convert is None else functools.partial(_namespace_back, convert)
+
+
+def _namespace_back(convert: Back, result: Any) -> Any:
+    """`result` (a `Tensor`; None stays None) in the input's library, sharing its memory."""
+    if result is None:
+        return None
+    array = result.array
+    # A host result in flight is read-only, which DLPack (as NumPy exports it) cannot say: a copy.
+    return convert(array if getattr(array.flags, "writeable", True) else array.copy())
 
 
 def _python_back(result: Any) -> Any:

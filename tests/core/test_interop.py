@@ -311,3 +311,34 @@ def test_jax_tracers_are_refused_with_a_pointer_to_mpitensor_jax(transform):
         run()
     assert isinstance(raised.value, TypeError) and isinstance(raised.value, mt.MpitensorError)
     assert "use mpitensor.jax's collectives inside jax.jit/grad/vmap" in str(raised.value)
+
+
+def test_arrays_of_an_array_api_library_come_back_through_its_from_dlpack():
+    class Array:
+        def __init__(self, array):
+            self.array = array
+
+        def __dlpack__(self, **kwargs):
+            return self.array.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self.array.__dlpack_device__()
+
+        def __array_namespace__(self, api_version=None):
+            return namespace
+
+    class Namespace:
+        @staticmethod
+        def from_dlpack(value):
+            return Array(np.from_dlpack(value))
+
+    namespace = Namespace()
+    back = interop.take(Array(np.arange(3.0)), CPU, "all_reduce").back
+    result = np.arange(3.0) * 2
+    got = back(_result(result))
+    assert type(got) is Array and np.shares_memory(got.array, result)  # zero copy
+    in_flight = np.ones(2)
+    in_flight.flags.writeable = False  # NumPy's DLPack export refuses read-only arrays: a copy
+    copied = back(_result(in_flight))
+    assert type(copied) is Array and not np.shares_memory(copied.array, in_flight)
+    assert copied.array.tolist() == [1.0, 1.0] and back(None) is None
