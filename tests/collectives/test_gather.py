@@ -90,3 +90,23 @@ def test_a_root_outside_the_group_raises_on_every_rank(module_ctx):
     with pytest.raises(ValueError, match="gather: root 99 is not in the group"):
         mt.gather(np.ones(2), root=99).resolve()
     assert mt.all_reduce(np.ones(1)).resolve().item() == module_ctx.size
+
+
+def test_torch_jax_and_python_inputs_gather_into_their_kind(module_ctx):
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    ctx = module_ctx
+    inputs = [rank_input(31, r, (2, 3), np.float32) for r in range(ctx.size)]
+    whole = np.concatenate(inputs, axis=1)
+    root = ctx.size - 1
+    from_torch = mt.gather(torch.from_numpy(inputs[ctx.rank].copy()), root, axis=1).resolve()
+    from_jax = mt.gather(jax.numpy.asarray(inputs[ctx.rank]), root, axis=1).resolve()
+    numbers = mt.gather(float(ctx.rank) / 2, root).resolve()
+    if ctx.rank != root:
+        assert (from_torch, from_jax, numbers) == (None, None, None)
+        return
+    assert isinstance(from_torch, torch.Tensor) and from_torch.dtype == torch.float32
+    np.testing.assert_array_equal(from_torch.numpy(), whole)
+    assert isinstance(from_jax, jax.Array) and from_jax.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(from_jax), whole)
+    assert numbers == [r / 2 for r in range(ctx.size)] and all(type(n) is float for n in numbers)

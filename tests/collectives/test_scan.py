@@ -109,3 +109,27 @@ def test_exscan_identities_of_bool_and_mean(module_ctx):
         assert mean.dtype == np.float64 and np.isnan(mean[0])
     else:
         assert mean[0] == 4.0
+
+
+def test_torch_jax_and_python_inputs_scan_into_their_kind(module_ctx):
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    ctx = module_ctx
+    inputs = [rank_input(32, r, (4,), np.int32) for r in range(ctx.size)]
+    inclusive = functools.reduce(np.add, inputs[: ctx.rank + 1])
+    got = mt.scan(torch.from_numpy(inputs[ctx.rank].copy()), "sum").resolve()
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.int32
+    np.testing.assert_array_equal(got.numpy(), inclusive)
+    got = mt.exscan(jax.numpy.asarray(inputs[ctx.rank]), "max").resolve()
+    assert isinstance(got, jax.Array) and got.dtype == np.int32
+    expected = functools.reduce(np.maximum, inputs[: ctx.rank]) if ctx.rank else np.full(4, np.iinfo(np.int32).min)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    count = mt.scan(1, "sum").resolve()
+    assert type(count) is int and count == ctx.rank + 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_python_ints_whose_prefix_sum_could_overflow_are_refused(module_ctx):
+    with pytest.raises(OverflowError, match=rf"exscan: a SUM over {module_ctx.size} ranks of Python ints of magnitude"):
+        mt.exscan(2**62, "sum")  # two of them leave int64
+    assert mt.all_reduce(np.ones(1)).resolve().item() == module_ctx.size
