@@ -84,8 +84,12 @@ class Protection:
                 key = id(array)
                 entry = _locked.get(key)
                 if entry is None:
-                    _locked[key] = [array, 1, array.flags.writeable]
-                    array.flags.writeable = False
+                    # An array NumPy could not make writable again (a view of a torch
+                    # tensor given as out=) stays writable: only its owner could protect it.
+                    lockable = array.flags.writeable and restorable(array)
+                    _locked[key] = [array, 1, lockable]
+                    if lockable:
+                        array.flags.writeable = False
                 else:
                     entry[1] += 1
 

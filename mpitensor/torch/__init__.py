@@ -20,7 +20,11 @@ CPU modules are supported (their tensors travel as NumPy views of the same memor
 
 from __future__ import annotations
 
+from ._backend import register as _register
 from ._broadcast import broadcast_optimizer_state, broadcast_parameters
 from ._data_parallel import DataParallel
+from ._process_group import BACKEND_NAME, ProcessGroupMpitensor
 
-__all__ = ["DataParallel", "broadcast_optimizer_state", "broadcast_parameters"]
+__all__ = ["BACKEND_NAME", "DataParallel", "ProcessGroupMpitensor", "broadcast_optimizer_state", "broadcast_parameters"]
+
+_register()

@@ -1,0 +1,411 @@
+"""`ProcessGroupMpitensor`: torch.distributed's collectives on mpitensor's.
+
+Each torch call starts mpitensor collectives (with their consistency check: ranks that
+disagree get ``CollectiveMismatchError`` instead of a hang) and returns a `Work` whose
+finish step writes the results into the caller's tensors. CPU inputs are read in place
+(mpitensor takes a copy-on-write clone, so a tensor changed in flight costs a copy, never
+a wrong result); results land in the caller's CPU tensors directly where mpitensor's path
+allows it (``out=``), else they are copied in once. CUDA tensors go through mpitensor's
+GPU paths (staged through the host, or CUDA-aware MPI).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import mpitensor as mt
+
+from ._arrays import host_view, numpy_dtype, torch_view
+from ._monitored_barrier import monitored_barrier
+from ._reduce_ops import reduce_operation
+from ._work import Completer, Work, done_work
+
+__all__ = ["BACKEND_NAME", "ProcessGroupMpitensor"]
+
+BACKEND_NAME = "mpitensor"
+
+# Tags of monitored_barrier's messages: the two highest mpitensor allows (torch programs'
+# own tags are small).
+_ARRIVE_TAG = 16382
+_RELEASE_TAG = 16383
+
+
+class ProcessGroupMpitensor(dist.ProcessGroup):
+    """A torch process group whose collectives are mpitensor's (backend ``"mpitensor"``).
+
+    Made by ``dist.init_process_group("mpitensor")`` and ``dist.new_group(ranks)``; not
+    meant to be built directly.
+
+    Args:
+        rank: this rank's number in the group.
+        size: how many ranks the group has.
+        ranks: the group's ranks in the mpitensor context (torch's global ranks), in group
+            order; None for every rank.
+        timeout: seconds a wait may take; None for the mpitensor context's timeout.
+    """
+
+    def __init__(self, rank: int, size: int, ranks: Sequence[int] | None, timeout: float | None) -> None:
+        super().__init__(rank, size)
+        self._devices = None if ranks is None else list(ranks)
+        self._timeout = timeout
+        self._completer = Completer()
+        self._on_shutdown: Callable[[], None] | None = None
+
+    # -- identity ---------------------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        """The backend's name, ``"mpitensor"``."""
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupMpitensor(rank={self.rank()}, size={self.size()}, ranks={self._devices})"
+
+    def on_shutdown(self, action: Callable[[], None]) -> None:
+        """Run `action` when torch destroys this group (the context opened for it closes)."""
+        self._on_shutdown = action
+
+    def shutdown(self) -> None:
+        """Called by ``dist.destroy_process_group``: run the shutdown action, once."""
+        action, self._on_shutdown = self._on_shutdown, None
+        if action is not None:
+            action()
+
+    def abort(self) -> None:
+        """End the whole job (MPI cannot end one group alone)."""
+        mt.current_context().abort(1)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self._devices is None else self._devices[group_rank]
+
+    def _work(self, handles: Sequence[Any], finish: Callable[[list[Any]], None] | None, outputs: Any) -> Work:
+        return Work(handles, finish, outputs, self._timeout, self._completer)
+
+    # -- reductions -------------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        """``dist.all_reduce``: every tensor becomes the reduction over the group, in place."""
+        op, factor = _operation(opts)
+        devices = self._devices
+        handles = []
+        for tensor in tensors:
+            _check_dense(tensor, "all_reduce")
+            if devices is None and factor is None:
+                handles.append(mt.all_reduce(tensor, op))  # the form the compiled lane takes
+            else:
+                handles.append(mt.all_reduce(tensor, op, devices, prescale_factor=factor))
+        return self._work(handles, _copy_into(tensors), tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        """``dist.all_reduce_coalesced`` and the coalescing manager: one fused all-reduce."""
+        op, factor = _operation(opts)
+        for tensor in tensors:
+            _check_dense(tensor, "all_reduce_coalesced")
+        handle = mt.all_reduce(list(tensors), op, self._devices, prescale_factor=factor)
+        return self._work([handle], lambda results: _copy_into(tensors)(results[0]), tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        """``dist.reduce``: the root's tensor becomes the reduction; others are unchanged."""
+        op, factor = _operation(opts)
+        root = self._global(opts.rootRank)
+        tensor = _one(tensors, "reduce")
+        handle = mt.reduce(tensor, op, root=root, devices=self._devices, prescale_factor=factor)
+        mine = self._global(self.rank()) == root
+        return self._work([handle], _copy_into([tensor]) if mine else None, tensors)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any) -> Work:
+        """``dist.reduce_scatter``: rank k gets the reduction of everyone's k-th tensor."""
+        output = _one(output_tensors, "reduce_scatter")
+        inputs = input_tensors[0]
+        _check_count(inputs, self.size(), "reduce_scatter", "input_list")
+        counts = [tensor.numel() for tensor in inputs]
+        flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
+        return self._reduce_scatter(output, flat, counts, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:  # noqa: A002
+        """``dist.reduce_scatter_tensor``: rank k gets block k of the reduced input."""
+        _check_dense(input, "reduce_scatter_tensor")
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(
+                f"reduce_scatter_tensor: the input has {input.numel()} elements, but the output's "
+                f"{output.numel()} times the group's {self.size()} ranks is {output.numel() * self.size()}"
+            )
+        return self._reduce_scatter(output, input.reshape(-1), None, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any) -> Work:
+        """Several ``reduce_scatter_tensor`` calls as one work (FSDP's coalesced form)."""
+        works = [self.reduce_scatter_single(out, inp, opts) for out, inp in zip(outputs, inputs)]
+        return _joined(works, outputs, self)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, counts: list[int] | None,
+                        opts: Any) -> Work:
+        op, factor = _operation(opts)
+        _check_dense(output, "reduce_scatter")
+        if counts is not None and len(set(counts)) == 1:
+            counts = None
+        direct = _direct_out(output, op)
+        handle = mt.reduce_scatter(flat, op, devices=self._devices, counts=counts, prescale_factor=factor,
+                                   out=None if direct is None else direct.reshape(-1))
+        return self._work([handle], None if direct is not None else _copy_into([output]), [output])
+
+    # -- data movement ----------------------------------------------------------------------
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        """``dist.broadcast``: every rank's tensor becomes the root's, in place."""
+        root = self._global(opts.rootRank)
+        is_root = self._global(self.rank()) == root
+        handles, copies = [], []
+        for tensor in tensors:
+            _check_dense(tensor, "broadcast")
+            view = _host_out(tensor)
+            if is_root:
+                handles.append(mt.broadcast(tensor, root=root, devices=self._devices))
+            elif view is not None:
+                handles.append(mt.broadcast(None, root=root, devices=self._devices, out=view))
+            else:
+                handles.append(mt.broadcast(tensor, root=root, devices=self._devices))
+                copies.append(len(handles) - 1)
+        finish = None if not copies else _copy_some(tensors, copies)
+        return self._work(handles, finish, tensors)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> Work:
+        """``dist.all_gather``: output k becomes rank k's input."""
+        outputs = output_tensors[0]
+        _check_count(outputs, self.size(), "all_gather", "tensor_list")
+        tensor = _one(input_tensors, "all_gather")
+        handle = mt.all_gather(tensor.reshape(-1), devices=self._devices)
+        return self._work([handle], _split_into(outputs), outputs)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:  # noqa: A002
+        """``dist.all_gather_into_tensor``: the ranks' inputs concatenated into `output`."""
+        _check_dense(input, "all_gather_into_tensor")
+        _check_dense(output, "all_gather_into_tensor")
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(
+                f"all_gather_into_tensor: the output has {output.numel()} elements, but the input's "
+                f"{input.numel()} times the group's {self.size()} ranks is {input.numel() * self.size()}"
+            )
+        view = _host_out(output)
+        out = None if view is None else view.reshape(-1)
+        handle = mt.all_gather(input.reshape(-1), devices=self._devices, out=out)
+        return self._work([handle], _copy_into([output]) if out is None else None, [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> Work:
+        """Several ``all_gather_into_tensor`` calls as one work (FSDP's coalesced form)."""
+        works = [self.all_gather_single(out, inp, opts) for out, inp in zip(outputs, inputs)]
+        return _joined(works, outputs, self)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> Work:
+        """``dist.all_to_all``: this rank's input j goes to rank j, as its output k from rank k."""
+        _check_count(input_tensors, self.size(), "all_to_all", "input_tensor_list")
+        _check_count(output_tensors, self.size(), "all_to_all", "output_tensor_list")
+        splits = [tensor.numel() for tensor in input_tensors]
+        flat = torch.cat([tensor.reshape(-1) for tensor in input_tensors])
+        even = len(set(splits)) == 1 and all(out.numel() == splits[0] for out in output_tensors)
+        handle = mt.all_to_all(flat, devices=self._devices, splits=None if even else splits)
+        return self._work([handle], _split_into(output_tensors), output_tensors)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> Work:
+        """``dist.all_to_all_single``: rows of dim 0 to each rank, evenly or by the split sizes."""
+        _check_dense(input, "all_to_all_single")
+        _check_dense(output, "all_to_all_single")
+        rows_in = input.reshape(input.shape[0] if input.dim() else 1, -1)
+        view = _host_out(output)
+        out = None if view is None else view.reshape(rows_in.shape[0] if not output_split_sizes else output.shape[0], -1)
+        if input_split_sizes or output_split_sizes:
+            splits = list(input_split_sizes) if input_split_sizes else _even(input.shape[0], self.size())
+            handle = mt.all_to_all(rows_in, devices=self._devices, splits=splits, out=out)
+        else:
+            handle = mt.all_to_all(rows_in, devices=self._devices, out=out)
+        return self._work([handle], _copy_into([output]) if out is None else None, [output])
+
+    alltoall_base = all_to_all_single
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Work:
+        """``dist.gather``: the root's list gets every rank's input."""
+        root = self._global(opts.rootRank)
+        tensor = _one(input_tensors, "gather")
+        handle = mt.gather(tensor.reshape(-1), root, devices=self._devices)
+        if self._global(self.rank()) != root:
+            return self._work([handle], None, [])
+        outputs = output_tensors[0]
+        _check_count(outputs, self.size(), "gather", "gather_list")
+        return self._work([handle], _split_into(outputs), outputs)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Work:
+        """``dist.scatter``: rank k's output becomes the root's k-th tensor."""
+        root = self._global(opts.rootRank)
+        output = _one(output_tensors, "scatter")
+        if self._global(self.rank()) == root:
+            inputs = input_tensors[0]
+            _check_count(inputs, self.size(), "scatter", "scatter_list")
+            flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
+            handle = mt.scatter(flat, root, devices=self._devices)
+        else:
+            handle = mt.scatter(None, root, shape=(output.numel() * self.size(),), dtype=output.dtype,
+                                devices=self._devices)
+        return self._work([handle], _copy_into([output]), [output])
+
+    def barrier(self, opts: Any = None) -> Work:
+        """``dist.barrier``: returns once every rank of the group has arrived."""
+        mt.barrier(self._devices)
+        return done_work([], self._completer)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's ``monitored_barrier``: rank 0 names the ranks that did not arrive in time.
+
+        Raises:
+            RuntimeError: on rank 0, the ranks missing after `timeout` (all of them with
+                `wait_all_ranks`, else the first); a rank that arrived and waits for a
+                release that never comes gets ``CollectiveTimeoutError``.
+        """
+        monitored_barrier(self, timeout, wait_all_ranks, self._timeout)
+
+    # -- point to point ---------------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:  # noqa: N803 - torch's names
+        """``dist.send``/``isend``: `tensors[0]` to group rank `dstRank`."""
+        tensor = _one(tensors, "send")
+        return self._work([mt.send(tensor, self._global(dstRank), tag=tag)], None, tensors)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:  # noqa: N803 - torch's names
+        """``dist.recv``/``irecv``: `tensors[0]` becomes what group rank `srcRank` sent."""
+        tensor = _one(tensors, "recv")
+        source = self._global(srcRank)
+        view = _host_out(tensor)
+        if view is not None:
+            handle = mt.recv(None, source, tag=tag, out=view)
+            return self._work([handle], None, tensors)
+        handle = mt.recv(None, source, shape=tuple(tensor.shape), dtype=tensor.dtype, tag=tag)
+        return self._work([handle], _copy_into([tensor]), tensors)
+
+    # -- monitored_barrier's messages -------------------------------------------------------
+
+    def arrive(self, root: int) -> Any:
+        """A token to `root` (monitored_barrier's arrival); returns the send's handle."""
+        return mt.send(np.ones(1, np.uint8), self._global(root), tag=_ARRIVE_TAG)
+
+    def expect(self, source: int, release: bool = False) -> Any:
+        """The pending receipt of `source`'s token (an arrival, or the root's release)."""
+        tag = _RELEASE_TAG if release else _ARRIVE_TAG
+        return mt.recv(None, self._global(source), shape=(1,), dtype=np.uint8, tag=tag)
+
+    def release(self, rank: int) -> Any:
+        """The root's release of `rank` from monitored_barrier; returns the send's handle."""
+        return mt.send(np.ones(1, np.uint8), self._global(rank), tag=_RELEASE_TAG)
+
+
+# -- argument checks and result writers -----------------------------------------------------
+
+
+def _operation(opts: Any) -> tuple[mt.ReduceOperation, float | None]:
+    return reduce_operation(opts.reduceOp) if opts is not None else (mt.ReduceOperation.SUM, None)
+
+
+def _check_dense(tensor: torch.Tensor, what: str) -> None:
+    if tensor.layout is not torch.strided:
+        raise ValueError(f"{what}: the mpitensor backend takes dense tensors, got one with layout {tensor.layout}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what}: tensors must be contiguous; pass tensor.contiguous()")
+
+
+def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"{what}: the mpitensor backend takes one tensor per call, got {len(tensors)}")
+    _check_dense(tensors[0], what)
+    return tensors[0]
+
+
+def _check_count(tensors: Sequence[torch.Tensor], size: int, what: str, argument: str) -> None:
+    if len(tensors) != size:
+        raise ValueError(f"{what}: {argument} has {len(tensors)} tensors, but the group has {size} ranks")
+    for tensor in tensors:
+        _check_dense(tensor, what)
+
+
+def _even(rows: int, size: int) -> list[int]:
+    if rows % size:
+        raise ValueError(f"all_to_all_single: {rows} rows do not split evenly over {size} ranks; pass split sizes")
+    return [rows // size] * size
+
+
+def _host_out(tensor: torch.Tensor) -> np.ndarray | None:
+    """A NumPy view to write `tensor`'s result into directly (a CPU tensor), else None."""
+    if tensor.device.type != "cpu" or tensor.dtype is torch.bool or tensor.requires_grad:
+        return None
+    try:
+        return host_view(tensor)
+    except TypeError:
+        return None
+
+
+def _direct_out(tensor: torch.Tensor, op: mt.ReduceOperation) -> np.ndarray | None:
+    """`_host_out` for a reduction whose result has the tensor's dtype (not MEAN of integers)."""
+    if op is mt.ReduceOperation.MEAN and not (tensor.is_floating_point() or tensor.is_complex()):
+        return None
+    return _host_out(tensor)
+
+
+def _as_torch(result: Any, like: torch.Tensor) -> torch.Tensor:
+    """A collective's result as a torch tensor (a NumPy-backed result seen through torch)."""
+    if isinstance(result, torch.Tensor):
+        return result
+    array = result.numpy() if isinstance(result, mt.Tensor) else np.asarray(result)
+    if array.dtype != numpy_dtype(like.dtype) and like.dtype is not torch.bool:
+        return torch.from_numpy(np.ascontiguousarray(array))
+    return torch_view(np.ascontiguousarray(array), like.dtype)
+
+
+def _copy_into(tensors: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:
+    def finish(results: list[Any]) -> None:
+        for tensor, result in zip(tensors, results):
+            tensor.copy_(_as_torch(result, tensor).reshape(tensor.shape))
+
+    return finish
+
+
+def _copy_some(tensors: Sequence[torch.Tensor], indices: list[int]) -> Callable[[list[Any]], None]:
+    def finish(results: list[Any]) -> None:
+        for index in indices:
+            tensors[index].copy_(_as_torch(results[index], tensors[index]).reshape(tensors[index].shape))
+
+    return finish
+
+
+def _split_into(outputs: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:
+    def finish(results: list[Any]) -> None:
+        flat = _as_torch(results[0], outputs[0]).reshape(-1)
+        for output, part in zip(outputs, torch.split(flat, [out.numel() for out in outputs])):
+            output.copy_(part.reshape(output.shape))
+
+    return finish
+
+
+def _joined(works: list[Work], outputs: Any, group: ProcessGroupMpitensor) -> Work:
+    """One work that completes the given works in order."""
+
+    def finish(_: list[Any]) -> None:
+        for work in works:
+            work.wait()
+
+    return group._work((), finish, outputs)

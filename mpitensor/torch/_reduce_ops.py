@@ -1,0 +1,41 @@
+"""torch's ``ReduceOp`` as mpitensor's `ReduceOperation` (and a premultiplier)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import mpitensor as mt
+
+__all__ = ["reduce_operation"]
+
+_KINDS = {
+    dist.ReduceOp.SUM: mt.ReduceOperation.SUM,
+    dist.ReduceOp.AVG: mt.ReduceOperation.MEAN,
+    dist.ReduceOp.PRODUCT: mt.ReduceOperation.PROD,
+    dist.ReduceOp.MIN: mt.ReduceOperation.MIN,
+    dist.ReduceOp.MAX: mt.ReduceOperation.MAX,
+    dist.ReduceOp.BAND: mt.ReduceOperation.BAND,
+    dist.ReduceOp.BOR: mt.ReduceOperation.BOR,
+    dist.ReduceOp.BXOR: mt.ReduceOperation.BXOR,
+}
+
+
+def reduce_operation(op: dist.ReduceOp) -> tuple[mt.ReduceOperation, float | None]:
+    """mpitensor's operation for torch's `op`, and the factor of a ``PREMUL_SUM``.
+
+    ``AVG`` is mpitensor's ``MEAN`` (integer tensors get the mean truncated toward zero,
+    as NCCL's integer average); ``PREMUL_SUM`` (``dist._make_nccl_premul_sum(f)``) is a
+    ``SUM`` with ``prescale_factor=f``.
+
+    Raises:
+        ValueError: an operation torch has that mpitensor does not (none today).
+    """
+    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        factor = op.factor
+        return mt.ReduceOperation.SUM, float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    try:
+        return _KINDS[kind], None
+    except KeyError:
+        raise ValueError(f"the mpitensor backend has no reduction for torch's {op}") from None

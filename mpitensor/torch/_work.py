@@ -1,0 +1,189 @@
+"""`Work`: what the ``mpitensor`` process group returns for each torch collective.
+
+A `Work` holds the mpitensor handles of one torch call and a `finish` step that writes
+their results into the caller's output tensors. ``wait()`` resolves and finishes it.
+``get_future()`` gives a ``torch.futures.Future`` that completes with no one calling
+``wait()`` (DDP and its communication hooks chain on it): a `Completer` thread resolves
+such works in call order, so the thread that posted them goes on computing meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Completer", "Work", "done_work"]
+
+
+class Work(dist.Work):
+    """The pending result of one torch collective on the ``mpitensor`` backend.
+
+    Args:
+        handles: the mpitensor `CollectiveTensor` handles the call started.
+        finish: called once with their results (in order) when all are resolved; writes
+            them into the caller's tensors.
+        outputs: what the future's value is (torch's convention: the output tensors).
+        timeout: seconds a wait may take (None: the context's timeout).
+        completer: the thread that completes futures asked for before ``wait()``.
+    """
+
+    def __init__(
+        self,
+        handles: Sequence[Any],
+        finish: Callable[[list[Any]], None] | None,
+        outputs: Any,
+        timeout: float | None,
+        completer: Completer,
+    ) -> None:
+        super().__init__()
+        self._handles = handles
+        self._finish = finish
+        self._outputs = outputs
+        self._timeout = timeout
+        self._completer = completer
+        self._lock = threading.Lock()
+        self._finished = False
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the collective is complete and its outputs are written.
+
+        Args:
+            timeout: at most this long (torch's zero default: the process group's timeout).
+
+        Returns:
+            True.
+
+        Raises:
+            CollectiveTimeoutError: the time passed (the mpitensor context is then broken).
+            CollectiveMismatchError: the ranks disagreed on this call.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else None
+        self.complete(seconds if seconds else self._timeout)
+        return True
+
+    def complete(self, timeout: float | None) -> None:
+        """Resolve the handles and finish, once; later calls raise the same error, if any.
+
+        Raises:
+            The mpitensor error of the failed collective.
+        """
+        with self._lock:
+            if not self._finished:
+                try:
+                    results = [handle.resolve(timeout) for handle in self._handles]
+                    if self._finish is not None:
+                        self._finish(results)
+                except BaseException as exc:
+                    self._error = exc
+                self._finished = True
+                self._handles = ()
+                self._settle_future()
+        if self._error is not None:
+            raise self._error
+
+    def complete_unwaited(self) -> None:
+        """`complete` from the completer thread: errors go to the future only."""
+        try:
+            # A wait inside MPI would hold the engine's lock and keep the posting thread
+            # from starting the next collective; a bounded wait polls instead.
+            self.complete(self._timeout or _POLL_TIMEOUT)
+        except BaseException:  # noqa: BLE001 - the future and wait() carry it
+            pass
+
+    def is_completed(self) -> bool:
+        """True once the outputs are written (never blocks)."""
+        if self._finished:
+            return True
+        if all(handle.test() for handle in self._handles):
+            try:
+                self.complete(self._timeout)
+            except BaseException:  # noqa: BLE001 - wait() and the future report it
+                pass
+            return True
+        return False
+
+    def is_success(self) -> bool:
+        """True when complete without an error."""
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        """The error the collective ended with, or None."""
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors (after `wait`)."""
+        self.wait()
+        return list(self._outputs) if isinstance(self._outputs, (list, tuple)) else [self._outputs]
+
+    def synchronize(self) -> None:
+        """Block until complete (torch's alias of ``wait`` for CPU work)."""
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        """A future that completes with the outputs when the collective does, unwaited."""
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._finished:
+                    self._settle_future()
+                else:
+                    self._completer.submit(self)
+            return self._future
+
+    def _settle_future(self) -> None:
+        future = self._future
+        if future is None or future.done():
+            return
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self._outputs)
+
+
+def done_work(outputs: Any, completer: Completer) -> Work:
+    """A `Work` that is complete already (an operation with nothing to send)."""
+    work = Work((), None, outputs, None, completer)
+    work.complete(None)
+    return work
+
+
+class Completer:
+    """A daemon thread that completes works whose futures were asked for, in call order.
+
+    Works are completed one after another as each collective finishes; the thread waits
+    inside mpitensor's ``resolve`` (which may be called from any thread), never posting.
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[Work] = deque()
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Work) -> None:
+        """Complete `work` in the background (its future is then set)."""
+        with self._ready:
+            self._queue.append(work)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mpitensor-torch-completer", daemon=True)
+                self._thread.start()
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                work = self._queue.popleft()
+            work.complete_unwaited()
+
+
+# Long enough never to end a real wait (the context's own timeout applies as well).
+_POLL_TIMEOUT = 10.0 * 365 * 24 * 3600
