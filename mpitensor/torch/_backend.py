@@ -46,7 +46,7 @@ def register() -> None:
 
 
 def _create(options: Any, backend_options: Any) -> ProcessGroupMpitensor:
-    """torch's creator of a group: the world at init, or a ``dist.new_group(ranks)``."""
+    """The group torch asks for: the world at init, or a ``dist.new_group(ranks)``."""
     ctx = mt.current_context()
     ranks = list(options.global_ranks_in_group) or None
     size = options.group_size

@@ -93,14 +93,13 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         """``dist.all_reduce``: every tensor becomes the reduction over the group, in place."""
         op, factor = _operation(opts)
         devices = self._devices
-        handles = []
         for tensor in tensors:
             _check_dense(tensor, "all_reduce")
-            if devices is None and factor is None:
-                handles.append(mt.all_reduce(tensor, op))  # the form the compiled lane takes
-            else:
-                handles.append(mt.all_reduce(tensor, op, devices, prescale_factor=factor))
-        return self._work(handles, _copy_into(tensors), tensors)
+        if devices is None and factor is None:
+            handles = [mt.all_reduce(tensor, op) for tensor in tensors]  # the form the compiled lane takes
+        else:
+            handles = [mt.all_reduce(tensor, op, devices, prescale_factor=factor) for tensor in tensors]
+        return Work(handles, _copy_into(tensors), tensors, self._timeout, self._completer)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """``dist.all_reduce_coalesced`` and the coalescing manager: one fused all-reduce."""
@@ -231,7 +230,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         _check_dense(output, "all_to_all_single")
         rows_in = input.reshape(input.shape[0] if input.dim() else 1, -1)
         view = _host_out(output)
-        out = None if view is None else view.reshape(rows_in.shape[0] if not output_split_sizes else output.shape[0], -1)
+        rows_out = output.shape[0] if output_split_sizes else rows_in.shape[0]
+        out = None if view is None else view.reshape(rows_out, -1)
         if input_split_sizes or output_split_sizes:
             splits = list(input_split_sizes) if input_split_sizes else _even(input.shape[0], self.size())
             handle = mt.all_to_all(rows_in, devices=self._devices, splits=splits, out=out)
@@ -272,7 +272,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         return done_work([], self._completer)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        """gloo's ``monitored_barrier``: rank 0 names the ranks that did not arrive in time.
+        """Gloo's ``monitored_barrier`` here: rank 0 names the ranks that did not arrive in time.
 
         Raises:
             RuntimeError: on rank 0, the ranks missing after `timeout` (all of them with
@@ -379,7 +379,8 @@ def _as_torch(result: Any, like: torch.Tensor) -> torch.Tensor:
 def _copy_into(tensors: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:
     def finish(results: list[Any]) -> None:
         for tensor, result in zip(tensors, results):
-            tensor.copy_(_as_torch(result, tensor).reshape(tensor.shape))
+            fits = type(result) is torch.Tensor and result.shape == tensor.shape
+            tensor.copy_(result if fits else _as_torch(result, tensor).reshape(tensor.shape))
 
     return finish
 

@@ -33,6 +33,11 @@ class Work(dist.Work):
         completer: the thread that completes futures asked for before ``wait()``.
     """
 
+    # Defaults as class attributes: a work is made for every call, and most never fail.
+    _finished = False
+    _error: BaseException | None = None
+    _future: torch.futures.Future | None = None
+
     def __init__(
         self,
         handles: Sequence[Any],
@@ -48,9 +53,6 @@ class Work(dist.Work):
         self._timeout = timeout
         self._completer = completer
         self._lock = threading.Lock()
-        self._finished = False
-        self._error: BaseException | None = None
-        self._future: torch.futures.Future | None = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the collective is complete and its outputs are written.
@@ -95,7 +97,7 @@ class Work(dist.Work):
             # A wait inside MPI would hold the engine's lock and keep the posting thread
             # from starting the next collective; a bounded wait polls instead.
             self.complete(self._timeout or _POLL_TIMEOUT)
-        except BaseException:  # noqa: BLE001 - the future and wait() carry it
+        except BaseException:  # the future and wait() carry it
             pass
 
     def is_completed(self) -> bool:
@@ -105,7 +107,7 @@ class Work(dist.Work):
         if all(handle.test() for handle in self._handles):
             try:
                 self.complete(self._timeout)
-            except BaseException:  # noqa: BLE001 - wait() and the future report it
+            except BaseException:  # wait() and the future report it
                 pass
             return True
         return False
