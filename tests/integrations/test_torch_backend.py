@@ -1,0 +1,320 @@
+"""torch.distributed on the "mpitensor" backend: every collective against NumPy.
+
+Each rank's input comes from a seed and its rank, so every rank computes every other
+rank's input and the NumPy reference from all of them.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import mpitensor as mt
+from tests.helpers import rank_input, seed_of
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+import mpitensor.torch as mtt  # noqa: E402 - after the skip when torch is missing
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16]
+OPS = {
+    "sum": (dist.ReduceOp.SUM, np.add),
+    "product": (dist.ReduceOp.PRODUCT, np.multiply),
+    "min": (dist.ReduceOp.MIN, np.minimum),
+    "max": (dist.ReduceOp.MAX, np.maximum),
+}
+
+
+@pytest.fixture(scope="module")
+def world(module_ctx: mt.DistributedContext) -> Iterator[mt.DistributedContext]:
+    """torch's default process group on the mpitensor backend, over the module's context."""
+    torch.set_num_threads(1)
+    dist.init_process_group("mpitensor")
+    yield module_ctx
+    dist.destroy_process_group()
+
+
+def numpy_of(dtype: torch.dtype) -> np.dtype:
+    return np.dtype(np.float32) if dtype is torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype
+
+
+def inputs(name: str, shape: tuple[int, ...], dtype: torch.dtype, size: int) -> list[np.ndarray]:
+    """Every rank's input of test `name`, as NumPy (bfloat16 values drawn exactly representable)."""
+    seed = seed_of(name, str(dtype), shape)
+    arrays = [rank_input(seed, rank, shape, numpy_of(dtype)) for rank in range(size)]
+    if dtype is torch.bfloat16:
+        arrays = [torch.from_numpy(a).to(torch.bfloat16).float().numpy() for a in arrays]
+    return arrays
+
+
+def as_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(array.copy()).to(dtype)  # a copy: the collectives write in place
+
+
+def check(got: torch.Tensor, expected: np.ndarray, dtype: torch.dtype) -> None:
+    assert got.dtype is dtype
+    values = got.float().numpy() if dtype is torch.bfloat16 else got.numpy()
+    expected = np.asarray(expected)
+    if dtype.is_floating_point:
+        tol = 1e-2 if dtype is torch.bfloat16 else 1e-5
+        np.testing.assert_allclose(values, expected.astype(values.dtype), rtol=tol, atol=tol)
+    else:
+        np.testing.assert_array_equal(values, expected.astype(values.dtype))
+
+
+def test_the_default_group_is_the_mpi_job(world):
+    assert dist.is_initialized()
+    assert dist.get_backend() == "mpitensor"
+    assert (dist.get_rank(), dist.get_world_size()) == (world.rank, world.size)
+    assert isinstance(dist.group.WORLD, mtt.ProcessGroupMpitensor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(OPS))
+def test_all_reduce(world, dtype, op):
+    arrays = inputs("all_reduce", (3, 5), dtype, world.size)
+    torch_op, ufunc = OPS[op]
+    tensor = as_torch(arrays[world.rank], dtype)
+    dist.all_reduce(tensor, op=torch_op)
+    check(tensor, ufunc.reduce(np.stack(arrays)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64], ids=str)
+def test_all_reduce_avg(world, dtype):
+    arrays = inputs("avg", (4,), dtype, world.size)
+    tensor = as_torch(arrays[world.rank], dtype)
+    dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+    mean = np.mean(np.stack(arrays).astype(np.float64), axis=0)
+    check(tensor, mean if dtype.is_floating_point else np.trunc(mean), dtype)
+
+
+@pytest.mark.parametrize("factor", [2.5, "tensor"])
+def test_all_reduce_premul_sum(world, factor):
+    arrays = inputs("premul", (6,), torch.float64, world.size)
+    tensor = as_torch(arrays[world.rank], torch.float64)
+    scale = torch.tensor([0.5], dtype=torch.float64) if factor == "tensor" else factor
+    dist.all_reduce(tensor, op=dist._make_nccl_premul_sum(scale))
+    check(tensor, np.sum(arrays, axis=0) * (0.5 if factor == "tensor" else 2.5), torch.float64)
+
+
+@pytest.mark.parametrize("op", [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR], ids=str)
+def test_all_reduce_bitwise(world, op):
+    arrays = [np.array([rank + 1, 7 * rank, 255 - rank], dtype=np.int64) for rank in range(world.size)]
+    ufunc = {dist.ReduceOp.BAND: np.bitwise_and, dist.ReduceOp.BOR: np.bitwise_or,
+             dist.ReduceOp.BXOR: np.bitwise_xor}[op]
+    tensor = torch.from_numpy(arrays[world.rank].copy())
+    dist.all_reduce(tensor, op=op)
+    check(tensor, ufunc.reduce(np.stack(arrays)), torch.int64)
+
+
+def test_all_reduce_coalesced_and_the_coalescing_manager(world):
+    first = inputs("coalesced-a", (5,), torch.float32, world.size)
+    second = inputs("coalesced-b", (2, 2), torch.float32, world.size)
+    a, b = as_torch(first[world.rank], torch.float32), as_torch(second[world.rank], torch.float32)
+    dist.all_reduce_coalesced([a, b])
+    check(a, np.sum(first, axis=0), torch.float32)
+    check(b, np.sum(second, axis=0), torch.float32)
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    c, d = as_torch(first[world.rank], torch.float32), as_torch(first[world.rank], torch.float32)
+    with _coalescing_manager(async_ops=True) as manager:
+        dist.all_reduce(c)
+        dist.all_reduce(d)
+    manager.wait()
+    check(c, np.sum(first, axis=0), torch.float32)
+    check(d, np.sum(first, axis=0), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast_from_every_root(world, dtype):
+    arrays = inputs("broadcast", (2, 3), dtype, world.size)
+    for root in range(world.size):
+        tensor = as_torch(arrays[world.rank], dtype)
+        dist.broadcast(tensor, src=root)
+        check(tensor, arrays[root], dtype)
+
+
+def test_reduce_to_every_root(world):
+    arrays = inputs("reduce", (7,), torch.float64, world.size)
+    for root in range(world.size):
+        tensor = as_torch(arrays[world.rank], torch.float64)
+        dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM)
+        check(tensor, np.sum(arrays, axis=0) if world.rank == root else arrays[world.rank], torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_gather_and_all_gather_into_tensor(world, dtype):
+    arrays = inputs("all_gather", (2, 3), dtype, world.size)
+    mine = as_torch(arrays[world.rank], dtype)
+    outputs = [torch.zeros(2, 3, dtype=dtype) for _ in range(world.size)]
+    dist.all_gather(outputs, mine)
+    for output, expected in zip(outputs, arrays):
+        check(output, expected, dtype)
+    into = torch.zeros(world.size * 2, 3, dtype=dtype)
+    dist.all_gather_into_tensor(into, mine)
+    check(into, np.concatenate(arrays), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16], ids=str)
+def test_reduce_scatter_and_reduce_scatter_tensor(world, dtype):
+    n = world.size
+    arrays = inputs("reduce_scatter", (n * 2, 3), dtype, n)
+    total = np.sum(arrays, axis=0)
+    out = torch.zeros(2, 3, dtype=dtype)
+    dist.reduce_scatter_tensor(out, as_torch(arrays[world.rank], dtype))
+    check(out, total[2 * world.rank: 2 * world.rank + 2], dtype)
+    pieces = list(as_torch(arrays[world.rank], dtype).chunk(n))
+    out = torch.zeros(2, 3, dtype=dtype)
+    dist.reduce_scatter(out, pieces, op=dist.ReduceOp.MAX)
+    check(out, np.max(arrays, axis=0)[2 * world.rank: 2 * world.rank + 2], dtype)
+
+
+def test_all_to_all_single_even_and_with_splits(world):
+    n, rank = world.size, world.rank
+    arrays = inputs("all_to_all", (n * 2, 3), torch.float64, n)
+    out = torch.zeros(n * 2, 3, dtype=torch.float64)
+    dist.all_to_all_single(out, as_torch(arrays[rank], torch.float64))
+    check(out, np.concatenate([arrays[src][2 * rank: 2 * rank + 2] for src in range(n)]), torch.float64)
+    # Rank i sends i + j + 1 rows to rank j.
+    rows = [[i + j + 1 for j in range(n)] for i in range(n)]
+    sent = [np.arange(sum(rows[i]) * 2, dtype=np.float64).reshape(-1, 2) + 100 * i for i in range(n)]
+    out = torch.zeros(sum(rows[i][rank] for i in range(n)), 2, dtype=torch.float64)
+    dist.all_to_all_single(out, torch.from_numpy(sent[rank].copy()),
+                           output_split_sizes=[rows[i][rank] for i in range(n)], input_split_sizes=rows[rank])
+    expected = [sent[i][sum(rows[i][:rank]): sum(rows[i][: rank + 1])] for i in range(n)]
+    check(out, np.concatenate(expected), torch.float64)
+
+
+def test_all_to_all_of_lists_with_unequal_sizes(world):
+    n, rank = world.size, world.rank
+    sent = [[np.full(i + j + 1, 10.0 * i + j) for j in range(n)] for i in range(n)]
+    outputs = [torch.zeros(i + rank + 1, dtype=torch.float64) for i in range(n)]
+    dist.all_to_all(outputs, [torch.from_numpy(a.copy()) for a in sent[rank]])
+    for i, output in enumerate(outputs):
+        check(output, sent[i][rank], torch.float64)
+
+
+def test_gather_and_scatter_at_every_root(world):
+    n, rank = world.size, world.rank
+    arrays = inputs("gather", (4,), torch.float32, n)
+    for root in range(n):
+        gathered = [torch.zeros(4) for _ in range(n)] if rank == root else None
+        dist.gather(as_torch(arrays[rank], torch.float32), gathered, dst=root)
+        if rank == root:
+            for output, expected in zip(gathered, arrays):
+                check(output, expected, torch.float32)
+        out = torch.zeros(4)
+        pieces = [as_torch(a, torch.float32) for a in arrays] if rank == root else None
+        dist.scatter(out, pieces, src=root)
+        check(out, arrays[rank], torch.float32)
+
+
+def test_object_collectives(world):
+    n, rank = world.size, world.rank
+    everyone = [None] * n
+    dist.all_gather_object(everyone, {"rank": rank, "name": "r" * (rank + 1)})
+    assert everyone == [{"rank": r, "name": "r" * (r + 1)} for r in range(n)]
+    objects = [rank, "x" * rank]
+    dist.broadcast_object_list(objects, src=n - 1)
+    assert objects == [n - 1, "x" * (n - 1)]
+    gathered = [None] * n if rank == 0 else None
+    dist.gather_object(("from", rank), gathered, dst=0)
+    if rank == 0:
+        assert gathered == [("from", r) for r in range(n)]
+    out = [None]
+    dist.scatter_object_list(out, [f"to {r}" for r in range(n)] if rank == 0 else None, src=0)
+    assert out == [f"to {rank}"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_send_recv_and_batch_isend_irecv_around_a_ring(world):
+    n, rank = world.size, world.rank
+    right, left = (rank + 1) % n, (rank - 1) % n
+    arrays = inputs("ring", (3,), torch.float64, n)
+    got = torch.zeros(3, dtype=torch.float64)
+    ops = [dist.P2POp(dist.isend, as_torch(arrays[rank], torch.float64), right),
+           dist.P2POp(dist.irecv, got, left)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    check(got, arrays[left], torch.float64)
+    if rank == 0:
+        dist.send(torch.arange(4, dtype=torch.int32), dst=1, tag=3)
+    elif rank == 1:
+        received = torch.zeros(4, dtype=torch.int32)
+        dist.recv(received, src=0, tag=3)
+        check(received, np.arange(4), torch.int32)
+    dist.barrier()
+
+
+def test_async_work_and_its_future_complete_without_wait(world):
+    arrays = inputs("async", (3,), torch.float32, world.size)
+    tensor = as_torch(arrays[world.rank], torch.float32)
+    work = dist.all_reduce(tensor, async_op=True)
+    chained = work.get_future().then(lambda fut: fut.value()[0] * 2)
+    # Nobody calls work.wait(): the future completes on its own.
+    doubled = chained.wait()
+    assert work.is_completed()
+    check(tensor, np.sum(arrays, axis=0), torch.float32)
+    check(doubled, 2 * np.sum(arrays, axis=0), torch.float32)
+    assert work.wait() is True
+
+
+def test_sub_groups_from_new_group(world):
+    n, rank = world.size, world.rank
+    evens, odds = list(range(0, n, 2)), list(range(1, n, 2))
+    groups = {tuple(evens): dist.new_group(evens)}
+    if odds:
+        groups[tuple(odds)] = dist.new_group(odds)
+    mine = evens if rank % 2 == 0 else odds
+    group = groups[tuple(mine)]
+    arrays = inputs("sub", (2,), torch.float64, n)
+    tensor = as_torch(arrays[rank], torch.float64)
+    dist.all_reduce(tensor, group=group)
+    check(tensor, np.sum([arrays[r] for r in mine], axis=0), torch.float64)
+    assert dist.get_rank(group) == mine.index(rank) and dist.get_world_size(group) == len(mine)
+    # src is a global rank: the group's last member.
+    tensor = as_torch(arrays[rank], torch.float64)
+    dist.broadcast(tensor, src=mine[-1], group=group)
+    check(tensor, arrays[mine[-1]], torch.float64)
+    outputs = [torch.zeros(2, dtype=torch.float64) for _ in mine]
+    dist.all_gather(outputs, as_torch(arrays[rank], torch.float64), group=group)
+    for output, member in zip(outputs, mine):
+        check(output, arrays[member], torch.float64)
+
+
+def test_distributed_sampler_shards_the_dataset(world):
+    sampler = torch.utils.data.DistributedSampler(list(range(23)), shuffle=True, seed=3)
+    mine = list(sampler)
+    everyone = [None] * world.size
+    dist.all_gather_object(everyone, mine)
+    seen = sorted(i for part in everyone for i in part)
+    assert set(seen) == set(range(23)) and len(seen) == world.size * len(mine)
+
+
+def test_monitored_barrier_passes_when_every_rank_arrives(world):
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
+
+
+def test_ranks_that_disagree_get_a_mismatch_error_on_every_rank(world):
+    tensor = torch.zeros(3 + (world.rank == 0 and world.size > 1))
+    if world.size == 1:
+        dist.all_reduce(tensor)
+        return
+    with pytest.raises(mt.CollectiveMismatchError):
+        dist.all_reduce(tensor)
+    tensor = torch.ones(2)
+    dist.all_reduce(tensor)  # the group is still usable
+    check(tensor, np.full(2, float(world.size)), torch.float32)
+
+
+def test_bad_tensors_are_clear_errors(world):
+    with pytest.raises(ValueError, match="contiguous"):
+        dist.all_reduce(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="output has 3 elements"):
+        dist.all_gather_into_tensor(torch.zeros(3), torch.zeros(world.size * 4))
