@@ -141,9 +141,11 @@ def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], over
     if args.command == "torch" or (args.command == "all" and not args.no_gloo and _has_torch()):
         from .torch_ddp import format_torch_ddp, run_torch_ddp
 
-        say("torch: DataParallel against DDP on gloo")
+        say("torch: DataParallel and DDP on mpitensor against DDP on gloo")
         result = run_torch_ddp(steps=args.steps, progress=say)
         out.publish("torch", result, format_torch_ddp)
+        result = run_torch_ddp(steps=args.steps, progress=say, model="cnn", batch=4)
+        out.publish("torch_cnn", result, format_torch_ddp)
 
 
 def _has_torch() -> bool:

@@ -1,9 +1,10 @@
 """`mpitensor.torch.DataParallel` against torch DDP on gloo: one MLP's training steps.
 
-Three copies of the same MLP (5.8M float32 parameters by default) train side by side on
-the same data, their steps interleaved (the order rotating every step): ``local`` (no
-communication: the compute alone), ``ddp`` (``DistributedDataParallel`` on a gloo group)
-and ``mt`` (``DataParallel``). Every step starts at a barrier and is timed on every rank;
+Copies of the same MLP (5.8M float32 parameters by default; or pytorch/examples' mnist
+CNN) train side by side on the same data, their steps interleaved (the order rotating
+every step): ``local`` (no communication: the compute alone), ``ddp``
+(``DistributedDataParallel`` on a gloo group), ``ddp_mt`` (DDP on the ``mpitensor``
+backend) and ``mt`` (``DataParallel``). Every step starts at a barrier and is timed on every rank;
 the step's time is the slowest rank's, and figures are medians over the steps. The
 *exposed communication* of a variant is its backward's time minus the local backward's:
 the time from the end of the gradient computation to gradients ready.
@@ -24,7 +25,7 @@ from ._common import markdown_table, start_gloo, stop_gloo, text_table
 
 __all__ = ["format_torch_ddp", "run_torch_ddp"]
 
-VARIANTS = ("local", "ddp", "mt")
+VARIANTS = ("local", "ddp", "ddp_mt", "mt")
 
 
 def _mlp(widths: Sequence[int]) -> Any:
@@ -37,15 +38,28 @@ def _mlp(widths: Sequence[int]) -> Any:
     return torch.nn.Sequential(*layers[:-1])
 
 
-def _models(widths: Sequence[int], bucket_bytes: int | None) -> dict[str, Any]:
+def _cnn() -> Any:
+    """pytorch/examples' mnist network (1.2M parameters)."""
+    import torch
+
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25),
+        nn.Flatten(), nn.Linear(9216, 128), nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 10),
+    )
+
+
+def _models(make: Callable[[], Any], bucket_bytes: int | None, group: Any) -> dict[str, Any]:
     import torch
 
     from mpitensor.torch import DataParallel
 
     return {
-        "local": _mlp(widths),
-        "ddp": torch.nn.parallel.DistributedDataParallel(_mlp(widths)),
-        "mt": DataParallel(_mlp(widths), bucket_bytes=bucket_bytes),
+        "local": make(),
+        "ddp": torch.nn.parallel.DistributedDataParallel(make()),
+        "ddp_mt": torch.nn.parallel.DistributedDataParallel(make(), process_group=group),
+        "mt": DataParallel(make(), bucket_bytes=bucket_bytes),
     }
 
 
@@ -71,6 +85,7 @@ def run_torch_ddp(
     widths: Sequence[int] = (784, 2048, 2048, 10),
     bucket_bytes: int | None = None,
     progress: Callable[[str], None] | None = None,
+    model: str = "mlp",
 ) -> dict[str, Any]:
     """Time DataParallel, DDP on gloo and local steps of one MLP; every rank calls it.
 
@@ -81,6 +96,8 @@ def run_torch_ddp(
         widths: the MLP's layer widths.
         bucket_bytes: DataParallel's bucket size (None: its default).
         progress: called with a line on rank 0 when the run is over.
+        model: ``"mlp"`` (of `widths`) or ``"cnn"`` (pytorch/examples' mnist network on
+            28x28 images).
 
     Returns:
         The settings and, per variant, the median step and backward seconds and the
@@ -95,11 +112,15 @@ def run_torch_ddp(
     with mt.DistributedContext.init() as ctx:
         dist = start_gloo(ctx.comm)
         try:
-            models = _models(widths, bucket_bytes)
+            import mpitensor.torch  # registers the backend
+
+            group = dist.new_group(backend="mpitensor")
+            make = _cnn if model == "cnn" else (lambda: _mlp(widths))
+            models = _models(make, bucket_bytes, group)
             opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
             gen = torch.Generator().manual_seed(ctx.rank)
-            x = torch.randn(batch, widths[0], generator=gen)
-            y = torch.randint(0, widths[-1], (batch,), generator=gen)
+            x = torch.randn((batch, 1, 28, 28) if model == "cnn" else (batch, widths[0]), generator=gen)
+            y = torch.randint(0, 10 if model == "cnn" else widths[-1], (batch,), generator=gen)
             times = np.zeros((steps, len(VARIANTS), 2))
             for step in range(warmup + steps):
                 for turn in range(len(VARIANTS)):
@@ -111,9 +132,10 @@ def run_torch_ddp(
             slowest = mt.all_reduce(times, mt.ReduceOperation.MAX).resolve().numpy()
             params = sum(p.numel() for p in models["local"].parameters())
         finally:
-            models = opts = {}  # DDP goes before its process group (see stop_gloo)
+            models = opts = group = {}  # DDP goes before its process group (see stop_gloo)
             stop_gloo(dist)
         result = _summarize(slowest, ctx.size, params, batch, steps)
+        result["model"] = model
     if progress is not None and ctx.rank == 0:
         progress("torch: done")
     return result
@@ -129,7 +151,9 @@ def _summarize(slowest: np.ndarray, ranks: int, params: int, batch: int, steps: 
         for i, name in enumerate(VARIANTS)
     }
     return {"ranks": ranks, "params": params, "batch": batch, "steps": steps, "variants": variants,
-            "mt_over_ddp": variants["mt"]["step_s"] / variants["ddp"]["step_s"]}
+            "mt_over_ddp": variants["mt"]["step_s"] / variants["ddp"]["step_s"],
+            "ddp_mt_over_ddp": variants["ddp_mt"]["step_s"] / variants["ddp"]["step_s"],
+            "ddp_mt_over_mt": variants["ddp_mt"]["step_s"] / variants["mt"]["step_s"]}
 
 
 def format_torch_ddp(result: dict[str, Any], markdown: bool = True) -> str:
@@ -143,7 +167,9 @@ def format_torch_ddp(result: dict[str, Any], markdown: bool = True) -> str:
          "-" if name == "local" else f"{v['exposed_s'] * 1e3:.1f}", f"{v['step_s'] / ddp:.2f}"]
         for name, v in result["variants"].items()
     ]
-    title = (f"DataParallel vs DDP (gloo): MLP of {result['params'] / 1e6:.1f}M float32 parameters, "
+    kind = "mnist CNN" if result.get("model") == "cnn" else "MLP"
+    title = (f"DDP on gloo (ddp), DDP on mpitensor (ddp_mt), DataParallel (mt): {kind} of "
+             f"{result['params'] / 1e6:.1f}M float32 parameters, "
              f"{result['ranks']} ranks, batch {result['batch']} per rank, medians of {result['steps']} steps")
     table = markdown_table(header, rows) if markdown else text_table(header, rows)
     return f"{title}\n\n{table}\n" if markdown else f"{title}\n{table}"

@@ -10,6 +10,7 @@ such works in call order, so the thread that posted them goes on computing meanw
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -81,6 +82,9 @@ class Work(dist.Work):
             if not self._finished:
                 try:
                     results = [handle.resolve(timeout) for handle in self._handles]
+                    # The handles hold the copy-on-write clones of CPU inputs: were they alive
+                    # when finish writes an input in place, torch would copy it first.
+                    self._handles = ()
                     if self._finish is not None:
                         self._finish(results)
                 except BaseException as exc:
@@ -92,11 +96,22 @@ class Work(dist.Work):
             raise self._error
 
     def complete_unwaited(self) -> None:
-        """`complete` from the completer thread: errors go to the future only."""
+        """`complete` from the completer thread: errors go to the future only.
+
+        A wait inside MPI would hold the engine's lock (the posting thread could not start
+        the next collective), and a spinning wait would take the core the program computes
+        on: the thread tests the handles (each test advances MPI) between short sleeps,
+        and completes the work once they are done or the timeout has passed.
+        """
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        pause = _FIRST_PAUSE
         try:
-            # A wait inside MPI would hold the engine's lock and keep the posting thread
-            # from starting the next collective; a bounded wait polls instead.
-            self.complete(self._timeout or _POLL_TIMEOUT)
+            while not self._finished and not all(handle.test() for handle in self._handles):
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                time.sleep(pause)
+                pause = min(2 * pause, _LONGEST_PAUSE)
+            self.complete(self._timeout)
         except BaseException:  # the future and wait() carry it
             pass
 
@@ -187,5 +202,7 @@ class Completer:
             work.complete_unwaited()
 
 
-# Long enough never to end a real wait (the context's own timeout applies as well).
-_POLL_TIMEOUT = 10.0 * 365 * 24 * 3600
+# The completer's sleeps between tests: short at first (small buckets finish fast), at
+# most a fraction of a large bucket's transfer time.
+_FIRST_PAUSE = 20e-6
+_LONGEST_PAUSE = 500e-6
