@@ -36,12 +36,15 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).cpu().numpy()
 
 
-def broadcast_tensors(tensors: list[torch.Tensor], root: int = 0) -> None:
+def broadcast_tensors(tensors: list[torch.Tensor], root: int = 0, keep_versions: bool = False) -> None:
     """Overwrite `tensors` on every rank with the root's, in place, in one broadcast.
 
     Args:
         tensors: the same shapes and dtypes, in the same order, on every rank.
         root: the rank whose values everyone gets.
+        keep_versions: write through ``tensor.data``, leaving autograd's version counters
+            as they are (as DDP's buffer broadcast does): a graph of an earlier forward that
+            saved a buffer (BatchNorm's running statistics) stays valid for its backward.
 
     Raises:
         CollectiveMismatchError: the ranks' tensors add up to different sizes.
@@ -63,7 +66,7 @@ def broadcast_tensors(tensors: list[torch.Tensor], root: int = 0) -> None:
             raw = received[offset : offset + tensor.numel() * tensor.element_size()]
             raw = raw if raw.flags.writeable and raw.ctypes.data % ALIGN == 0 else raw.copy()
             source = torch.from_numpy(raw).view(tensor.dtype).view(tensor.shape)
-            tensor.copy_(source)
+            (tensor.data if keep_versions else tensor).copy_(source)
 
 
 def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:

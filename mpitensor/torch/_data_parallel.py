@@ -55,8 +55,7 @@ class DataParallel(torch.nn.Module):
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
-        self._buffers_list = [buffer for _, buffer in module.named_buffers()]
-        broadcast_tensors([*module.parameters(), *self._buffers_list], root=0)
+        broadcast_tensors([*module.parameters(), *module.buffers()], root=0)
         self._ranks = ctx.size
         self._reducer = (
             Reducer([name for name, _ in named], [param for _, param in named],
@@ -66,8 +65,11 @@ class DataParallel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Broadcast rank 0's buffers (if asked), then run the wrapped module."""
-        if self.broadcast_buffers and self._buffers_list and self._ranks > 1:
-            broadcast_tensors(self._buffers_list, root=0)
+        if self.broadcast_buffers and self._ranks > 1:
+            # Looked up again each time: a buffer may have been reassigned (module.buf = t).
+            buffers = [buffer for _, buffer in self.module.named_buffers()]
+            if buffers:
+                broadcast_tensors(buffers, root=0, keep_versions=True)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager

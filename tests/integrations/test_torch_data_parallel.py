@@ -215,6 +215,52 @@ def test_buffers_come_from_rank_0_at_construction_and_before_each_forward(ctx):
     assert kept.module[1].running_mean.eq(10 + ctx.rank).all()
 
 
+def _batchnormed_net() -> torch.nn.Module:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6, dtype=torch.float64), torch.nn.BatchNorm1d(6, dtype=torch.float64),
+                               torch.nn.Tanh(), torch.nn.Linear(6, 2, dtype=torch.float64))
+
+
+def _two_batches(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(200 + rank)
+    return torch.randn(5, 4, generator=gen, dtype=torch.float64), torch.randn(5, 4, generator=gen, dtype=torch.float64)
+
+
+def test_two_forwards_through_batchnorm_before_one_backward(ctx):
+    """A GAN's D(real) + D(fake): the buffer broadcast of the second forward must not break the first's graph."""
+    model = DataParallel(_batchnormed_net())
+    real, fake = _two_batches(ctx.rank)
+    (model(real).sum() - model(fake).square().sum()).backward()
+    # In training mode BatchNorm normalizes with the batch's statistics: each rank's
+    # gradients are those of its own two batches, and the result is their mean over ranks.
+    expected = [torch.zeros_like(p) for p in model.module.parameters()]
+    for rank in range(ctx.size):
+        local = _batchnormed_net()
+        real, fake = _two_batches(rank)
+        (local(real).sum() - local(fake).square().sum()).backward()
+        for total, param in zip(expected, local.parameters()):
+            total += param.grad / ctx.size
+    for param, want in zip(model.module.parameters(), expected):
+        torch.testing.assert_close(param.grad, want, rtol=1e-12, atol=1e-14)
+
+
+def test_a_buffer_rank_0_reassigns_reaches_every_rank(ctx):
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2, dtype=torch.float64)
+            self.register_buffer("scale", torch.ones(2, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    model = DataParallel(Scaled())
+    model.module.scale = torch.full((2,), 3.0 + ctx.rank, dtype=torch.float64)  # a new tensor, not an in-place write
+    model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+    assert model.module.scale.tolist() == [3.0, 3.0]
+    assert_same_on_every_rank(ctx, [model.module.scale])
+
+
 def test_forward_and_state_dict_pass_through(ctx):
     net = Net()
     model = DataParallel(net)
