@@ -5,11 +5,8 @@ from __future__ import annotations
 import copy
 import datetime
 import gc
-import threading
 import traceback
-import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +15,7 @@ import mpitensor as mt
 
 torch = pytest.importorskip("torch")
 from mpitensor.torch import DataParallel  # noqa: E402 - after the skip when torch is missing
+from tests.integrations.torch_gloo import gloo_store, leave_gloo  # noqa: E402
 
 pytestmark = pytest.mark.mpi(min_size=1)
 BATCH = 24  # divisible by 1, 2, 3 and 4 ranks
@@ -239,7 +237,7 @@ def test_two_forwards_through_batchnorm_before_one_backward(ctx):
         real, fake = _two_batches(rank)
         (local(real).sum() - local(fake).square().sum()).backward()
         for total, param in zip(expected, local.parameters()):
-            total += param.grad / ctx.size
+            total.add_(param.grad / ctx.size)
     for param, want in zip(model.module.parameters(), expected):
         torch.testing.assert_close(param.grad, want, rtol=1e-12, atol=1e-14)
 
@@ -283,58 +281,10 @@ def test_bad_arguments_are_clear_errors(ctx):
         DataParallel(sparse)
 
 
-def _gloo_store(dist: Any, ctx: mt.DistributedContext, timeout: datetime.timedelta) -> Any:
-    """gloo's rendezvous store: rank 0 serves it on a port the kernel picks, and MPI tells the others.
-
-    The kernel picks the port as the server binds it, so no other process can take it in
-    between (as it could with a port found free first and bound later).
-    """
-    store = None
-    port = 0
-    if ctx.rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, ctx.size, True, timeout=timeout, wait_for_workers=False)
-        port = store.port
-    port = int(mt.broadcast(np.array([port]), root=0).resolve().item())
-    if store is None:
-        store = dist.TCPStore("127.0.0.1", port, ctx.size, False, timeout=timeout)
-    return store
-
-
-def _leave_gloo(dist: Any, bound: float = 60.0) -> None:
-    """End gloo's process group: ``dist.destroy_process_group()``, then its last reference.
-
-    Call it once DDP is out of scope. Whoever drops the last reference to the process group
-    waits there for gloo's worker threads, and a worker that frees a finished work may need
-    the GIL to do it. DDP's reducer holds the GIL as it drops its reference (torch binds the
-    reducer without releasing it), so where the reducer drops the last one the rank hangs
-    for good: seen here about once in a hundred runs, with the main thread in
-    ``~ProcessGroupGloo`` and a worker in ``~AsyncAllreduceWork`` waiting for the GIL. So
-    DDP's garbage is collected first, while this function holds a reference of the process
-    group's own binding, which releases the GIL as it ends the group; that reference goes last.
-
-    ``destroy_process_group`` runs in a daemon thread, waited for at most `bound` seconds:
-    past the bound, this rank warns and goes on (nothing later in the suite uses
-    torch.distributed) rather than stop the whole suite.
-    """
-    group = dist.group.WORLD
-    gc.collect()  # DDP's modules and hooks hold cycles: its reducer must go now, not at a later collection
-    done = threading.Event()
-
-    def leave() -> None:
-        dist.destroy_process_group()
-        done.set()
-
-    threading.Thread(target=leave, name="gloo teardown", daemon=True).start()
-    if not done.wait(bound):
-        warnings.warn(f"torch.distributed's gloo teardown did not return within {bound:g} s; left behind",
-                      RuntimeWarning, stacklevel=2)
-    del group  # the last reference: the process group ends here, with the GIL released
-
-
 def _train_beside_ddp(ctx: mt.DistributedContext) -> None:
     """Three steps of torch DDP and of DataParallel from the same weights: the same gradients at each.
 
-    DDP lives only in this function, so that it is gone before `_leave_gloo`, also when a
+    DDP lives only in this function, so that it is gone before `leave_gloo`, also when a
     comparison fails.
     """
     ddp = torch.nn.parallel.DistributedDataParallel(Net(seed=ctx.rank), bucket_cap_mb=0.001)
@@ -359,13 +309,13 @@ def test_same_gradients_as_torch_ddp_on_gloo(ctx):
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=60)
-    dist.init_process_group("gloo", store=_gloo_store(dist, ctx, timeout), rank=ctx.rank, world_size=ctx.size,
+    dist.init_process_group("gloo", store=gloo_store(dist, ctx, timeout), rank=ctx.rank, world_size=ctx.size,
                             timeout=timeout)
     try:
         _train_beside_ddp(ctx)
     finally:
         mt.barrier()  # no rank tears its connections down while another still reads from them
-        _leave_gloo(dist)
+        leave_gloo(dist)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -390,7 +340,6 @@ def test_ranks_with_different_models_get_a_mismatch_error(ctx):
 
 
 def test_a_module_wrapped_again_is_averaged_once(ctx):
-    import gc
 
     net, reference = Net(), Net()
     first = DataParallel(net)
