@@ -55,12 +55,30 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._timeout = timeout
         self._completer = Completer()
         self._on_shutdown: Callable[[], None] | None = None
+        self._group_name = ""
+        self._group_desc = ""
 
     # -- identity ---------------------------------------------------------------------------
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """The backend's name, ``"mpitensor"``."""
         return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's name
+        """Keep the name torch gives the group (DeviceMesh and FSDP look it up)."""
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        """The name torch gave the group."""
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - torch's name
+        """Keep torch's description of the group."""
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        """The description torch gave the group."""
+        return self._group_desc
 
     def __repr__(self) -> str:
         return f"ProcessGroupMpitensor(rank={self.rank()}, size={self.size()}, ranks={self._devices})"
@@ -154,7 +172,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         _check_dense(output, "reduce_scatter")
         if counts is not None and len(set(counts)) == 1:
             counts = None
-        direct = _direct_out(output, op)
+        direct = None if _shares_memory(flat, output) else _direct_out(output, op)
         handle = mt.reduce_scatter(flat, op, devices=self._devices, counts=counts, prescale_factor=factor,
                                    out=None if direct is None else direct.reshape(-1))
         return self._work([handle], None if direct is not None else _copy_into([output]), [output])
@@ -197,7 +215,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
                 f"all_gather_into_tensor: the output has {output.numel()} elements, but the input's "
                 f"{input.numel()} times the group's {self.size()} ranks is {input.numel() * self.size()}"
             )
-        view = _host_out(output)
+        view = None if _shares_memory(input, output) else _host_out(output)  # FSDP gathers in place
         out = None if view is None else view.reshape(-1)
         handle = mt.all_gather(input.reshape(-1), devices=self._devices, out=out)
         return self._work([handle], _copy_into([output]) if out is None else None, [output])
@@ -357,6 +375,11 @@ def _host_out(tensor: torch.Tensor) -> np.ndarray | None:
         return host_view(tensor)
     except TypeError:
         return None
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are views of one storage (an in-place collective)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _direct_out(tensor: torch.Tensor, op: mt.ReduceOperation) -> np.ndarray | None:

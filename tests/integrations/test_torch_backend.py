@@ -6,6 +6,7 @@ rank's input and the NumPy reference from all of them.
 
 from __future__ import annotations
 
+import copy
 import datetime
 from collections.abc import Iterator
 
@@ -318,3 +319,22 @@ def test_bad_tensors_are_clear_errors(world):
         dist.all_reduce(torch.zeros(4, 4).t())
     with pytest.raises(ValueError, match="output has 3 elements"):
         dist.all_gather_into_tensor(torch.zeros(3), torch.zeros(world.size * 4))
+
+
+def test_fully_shard_gradients_equal_one_process_on_the_whole_batch(world):
+    """FSDP2 (``fully_shard``) on a CPU device mesh: all-gathers in place, reduce-scatters the gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    single = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world.size,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.from_numpy(np.concatenate(inputs("fsdp", (4, 8), torch.float32, world.size)))
+    model(x[4 * world.rank: 4 * world.rank + 4]).square().mean().backward()
+    single(x).square().mean().backward()
+    for param, expected in zip(model.parameters(), single.parameters()):
+        torch.testing.assert_close(param.grad.full_tensor(), expected.grad, rtol=1e-5, atol=1e-6)
