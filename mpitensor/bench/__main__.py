@@ -146,6 +146,10 @@ def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], over
         out.publish("torch", result, format_torch_ddp)
         result = run_torch_ddp(steps=args.steps, progress=say, model="cnn", batch=4)
         out.publish("torch_cnn", result, format_torch_ddp)
+        from .torch_backend import format_torch_backend, run_torch_backend
+
+        say("torch backend: dist.all_reduce against gloo and mt.all_reduce")
+        out.publish("torch_backend", run_torch_backend(progress=say), format_torch_backend)
 
 
 def _has_torch() -> bool:
