@@ -56,6 +56,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._completer = Completer()
         self._on_shutdown: Callable[[], None] | None = None
         self._group_name = ""
+        self._completed = done_work([], self._completer)
         self._group_desc = ""
 
     # -- identity ---------------------------------------------------------------------------
@@ -117,6 +118,13 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
             handles = [mt.all_reduce(tensor, op) for tensor in tensors]  # the form the compiled lane takes
         else:
             handles = [mt.all_reduce(tensor, op, devices, prescale_factor=factor) for tensor in tensors]
+        if opts is not None and not opts.asyncOp:
+            # dist.all_reduce(async_op=False) waits at once: done here, the call costs no
+            # Work of its own and no second crossing into Python for wait().
+            results = [handle.resolve(self._timeout) for handle in handles]
+            del handles  # with them the inputs' copy-on-write clones (see Work.complete)
+            _copy_into(tensors)(results)
+            return self._completed
         return Work(handles, _copy_into(tensors), tensors, self._timeout, self._completer)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
