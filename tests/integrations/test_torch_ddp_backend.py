@@ -225,7 +225,7 @@ def test_buffers_and_two_forwards_through_batchnorm(groups):
         rank = dist.get_rank()
         (model(batch(i, rank)).sum() - model(batch(i + 5, rank)).square().sum()).backward()
 
-    compare(*groups, Normed, step, broadcast_buffers=True)
+    compare(*groups, Normed, step)  # DDP syncs buffers before each forward by default
 
 
 def test_reentrant_activation_checkpointing(groups):
