@@ -338,3 +338,21 @@ def test_fully_shard_gradients_equal_one_process_on_the_whole_batch(world):
     single(x).square().mean().backward()
     for param, expected in zip(model.parameters(), single.parameters()):
         torch.testing.assert_close(param.grad.full_tensor(), expected.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tensors_take_the_gpu_paths(world):
+    if world.device.kind != "cuda":
+        pytest.skip("the context's device is the CPU (CuPy missing, or no GPU for this rank)")
+    device = torch.device("cuda", world.device.index)
+    arrays = inputs("cuda", (5,), torch.float32, world.size)
+    tensor = as_torch(arrays[world.rank], torch.float32).to(device)
+    dist.all_reduce(tensor)
+    assert tensor.device == device
+    check(tensor.cpu(), np.sum(arrays, axis=0), torch.float32)
+    tensor = as_torch(arrays[world.rank], torch.float32).to(device)
+    dist.broadcast(tensor, src=world.size - 1)
+    check(tensor.cpu(), arrays[-1], torch.float32)
+    gathered = torch.zeros(world.size * 5, device=device)
+    dist.all_gather_into_tensor(gathered, as_torch(arrays[world.rank], torch.float32).to(device))
+    check(gathered.cpu(), np.concatenate(arrays), torch.float32)
