@@ -50,11 +50,11 @@ def _create(options: Any, backend_options: Any) -> ProcessGroupMpitensor:
     ctx = mt.current_context()
     ranks = list(options.global_ranks_in_group) or None
     size = options.group_size
-    if ranks is None and size != ctx.size:
+    if ranks is None and (size != ctx.size or options.group_rank != ctx.rank):
         raise RuntimeError(
-            f"init_process_group('mpitensor'): torch was given world_size={size}, but the MPI job "
-            f"(the mpitensor context) has {ctx.size} ranks; launch with mpiexec -n {size} (or srun), "
-            "and pass no rank or world_size"
+            f"init_process_group('mpitensor'): torch was given rank {options.group_rank} of {size}, but "
+            f"this process is rank {ctx.rank} of the MPI job's {ctx.size} (the mpitensor context); launch "
+            "with mpiexec or srun, and pass no rank, world_size or init_method"
         )
     timeout = options.timeout
     seconds = None if timeout is None or timeout == _TORCH_DEFAULT_TIMEOUT else timeout.total_seconds()
