@@ -38,11 +38,13 @@ def register() -> None:
     """Register the backend and wrap torch's entry points (idempotent)."""
     if BACKEND_NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
-    for module in (dist, c10d):
-        if not getattr(module.init_process_group, "_mpitensor_wrapper", False):
-            module.init_process_group = _wrap_init(module.init_process_group)
-        if not getattr(module.monitored_barrier, "_mpitensor_wrapper", False):
-            module.monitored_barrier = _wrap_monitored_barrier(module.monitored_barrier)
+    # torch.distributed re-exports distributed_c10d's functions: one wrapper serves both names.
+    for name, wrap in (("init_process_group", _wrap_init), ("monitored_barrier", _wrap_monitored_barrier)):
+        original = getattr(c10d, name)
+        if not getattr(original, "_mpitensor_wrapper", False):
+            wrapper = wrap(original)
+            setattr(c10d, name, wrapper)
+            setattr(dist, name, wrapper)
 
 
 def _create(options: Any, backend_options: Any) -> ProcessGroupMpitensor:

@@ -125,7 +125,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
             del handles  # with them the inputs' copy-on-write clones (see Work.complete)
             _copy_into(tensors)(results)
             return self._completed
-        return Work(handles, _copy_into(tensors), tensors, self._timeout, self._completer)
+        return self._work(handles, _copy_into(tensors), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """``dist.all_reduce_coalesced`` and the coalescing manager: one fused all-reduce."""
@@ -202,8 +202,10 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
             else:
                 handles.append(mt.broadcast(tensor, root=root, devices=self._devices))
                 copies.append(len(handles) - 1)
-        finish = None if not copies else _copy_some(tensors, copies)
-        return self._work(handles, finish, tensors)
+        if not copies:
+            return self._work(handles, None, tensors)
+        copied = _copy_into([tensors[index] for index in copies])
+        return self._work(handles, lambda results: copied([results[index] for index in copies]), tensors)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> Work:
@@ -295,7 +297,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> Work:
         """``dist.barrier``: returns once every rank of the group has arrived."""
         mt.barrier(self._devices)
-        return done_work([], self._completer)
+        return self._completed
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """Gloo's ``monitored_barrier`` here: rank 0 names the ranks that did not arrive in time.
@@ -412,14 +414,6 @@ def _copy_into(tensors: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:
         for tensor, result in zip(tensors, results):
             fits = type(result) is torch.Tensor and result.shape == tensor.shape
             tensor.copy_(result if fits else _as_torch(result, tensor).reshape(tensor.shape))
-
-    return finish
-
-
-def _copy_some(tensors: Sequence[torch.Tensor], indices: list[int]) -> Callable[[list[Any]], None]:
-    def finish(results: list[Any]) -> None:
-        for index in indices:
-            tensors[index].copy_(_as_torch(results[index], tensors[index]).reshape(tensors[index].shape))
 
     return finish
 
