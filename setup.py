@@ -1,4 +1,4 @@
-"""The build of mpitensor's compiled parts: the small all-reduces' lane, the streaming sum.
+"""The build of mpitensor's compiled parts: the small all-reduces' lane, the streaming sum, the JAX handler.
 
 The lane of repeated small all-reduces, and the shared-memory all-reduce's streaming sum:
 both are optional: where no C compiler is found (or a build fails), mpitensor installs
@@ -34,7 +34,17 @@ def _extensions() -> list[Extension]:
             extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"],
             libraries=["dl"],
             optional=True,
-        )
+        ),
+        # The XLA FFI handler of mpitensor.jax: built against the FFI's C header beside it,
+        # so the build needs no jaxlib.
+        Extension(
+            "mpitensor.jax._ffi",
+            sources=["mpitensor/jax/native/ffi.c"],
+            depends=["mpitensor/jax/native/xla_ffi_c_api.h"],
+            include_dirs=[numpy.get_include()],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
     ]
 
 

@@ -29,10 +29,13 @@ def restorable(array: np.ndarray) -> bool:
 
     NumPy's rule: an array that owns its memory may; otherwise the chain of its bases is
     followed, and a writable array on it, or a final object with a writable buffer, allows
-    it. Memory another object exposes through ``__array_interface__`` alone does not.
+    it. Memory another object exposes through ``__array_interface__`` alone does not, nor
+    does an array made over raw memory with no base (a compiled caller's buffer).
     """
-    if array.base is None or array.flags.owndata:
+    if array.flags.owndata:
         return True
+    if array.base is None:
+        return False
     base = array.base
     while isinstance(base, np.ndarray):
         if base.flags.writeable:

@@ -1,4 +1,4 @@
-"""``python -m mpitensor.bench [all|sweep|overlap|fused|interop|collectives|torch|report] ...`` (mpiexec but report).
+"""``python -m mpitensor.bench [all|sweep|overlap|fused|interop|collectives|torch|jax|report] ...`` (mpiexec but report).
 
 Examples::
 
@@ -8,6 +8,7 @@ Examples::
     mpiexec -n 2 python -m mpitensor.bench interop              # torch input against NumPy input
     mpiexec -n 2 python -m mpitensor.bench collectives          # gather, scatter, scans, objects
     mpiexec -n 4 python -m mpitensor.bench torch                # DataParallel against torch DDP
+    mpiexec -n 2 python -m mpitensor.bench jax                  # mpitensor.jax against mpi4jax
     python -m mpitensor.bench report bench-results/*.json       # the targets table
 """
 
@@ -27,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpitensor.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="all",
-                        choices=["all", "sweep", "overlap", "fused", "interop", "collectives", "torch", "report"],
+                        choices=["all", "sweep", "overlap", "fused", "interop", "collectives", "torch", "jax", "report"],
                         help="what to run (default: all; torch's row runs where torch is installed)")
     parser.add_argument("files", nargs="*", help="report: the JSON files of the runs")
     parser.add_argument("--sizes", default="8:64M", help="sweep sizes: 'LOW:HIGH' powers of two or a list (8:64M)")
@@ -150,6 +151,11 @@ def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], over
 
         say("torch backend: dist.all_reduce against gloo and mt.all_reduce")
         out.publish("torch_backend", run_torch_backend(progress=say), format_torch_backend)
+    if args.command == "jax":
+        from .jax_collectives import format_jax, run_jax
+
+        say("jax: mpitensor.jax inside jax.jit against mpi4jax")
+        out.publish("jax", run_jax(progress=say), format_jax)
 
 
 def _has_torch() -> bool:

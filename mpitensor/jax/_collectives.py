@@ -1,0 +1,232 @@
+"""The collectives of mpitensor.jax: functions on JAX arrays, usable under every transformation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+import mpitensor as mt
+
+from . import _handler, _primitives, _rules
+
+Devices = Sequence[int] | None
+
+_DIFFERENTIABLE = ("sum", "mean")
+
+
+def _same(shape: tuple[int, ...], **params: Any) -> tuple[int, ...]:
+    return shape
+
+
+def _gathered(shape: tuple[int, ...], *, devices: tuple[int, ...] | None) -> tuple[int, ...]:
+    size = _rules.size(devices)
+    return (size,) if not shape else (size * shape[0], *shape[1:])
+
+
+def _cut(shape: tuple[int, ...], kind: str, devices: tuple[int, ...] | None) -> int:
+    size = _rules.size(devices)
+    if not shape or shape[0] % size:
+        raise ValueError(
+            f"mpitensor.jax.{kind} cuts its input's first axis into {size} equal blocks (one per rank), "
+            f"but the input's shape is {shape}: give it a first axis of a multiple of {size}"
+        )
+    return shape[0] // size
+
+
+def _scattered(shape: tuple[int, ...], *, op: str, devices: tuple[int, ...] | None) -> tuple[int, ...]:
+    return (_cut(shape, "reduce_scatter", devices), *shape[1:])
+
+
+def _exchanged(shape: tuple[int, ...], *, devices: tuple[int, ...] | None) -> tuple[int, ...]:
+    _cut(shape, "all_to_all", devices)
+    return shape
+
+
+all_reduce_p = _primitives.make("all_reduce", _same)
+broadcast_p = _primitives.make("broadcast", _same)
+reduce_p = _primitives.make("reduce", _same)
+all_gather_p = _primitives.make("all_gather", _gathered)
+reduce_scatter_p = _primitives.make("reduce_scatter", _scattered)
+all_to_all_p = _primitives.make("all_to_all", _exchanged)
+
+
+def _all_reduce_transpose(ct: Any, shape: tuple[int, ...], *, op: str, devices: Any, adjoint: bool) -> Any:
+    if op == "mean":
+        return ct / _rules.size(devices) if not adjoint else all_reduce_p.bind(ct, op=op, devices=devices, adjoint=False)
+    return all_reduce_p.bind(ct, op=op, devices=devices, adjoint=not adjoint)
+
+
+def _broadcast_transpose(ct: Any, shape: tuple[int, ...], *, root: int, devices: Any) -> Any:
+    summed = reduce_p.bind(ct, op="sum", root=root, devices=devices)
+    return summed if _rules.rank() == root else jnp.zeros_like(ct)
+
+
+def _reduce_transpose(ct: Any, shape: tuple[int, ...], *, op: str, root: int, devices: Any) -> Any:
+    spread = broadcast_p.bind(ct, root=root, devices=devices)
+    return spread if _rules.rank() == root else spread + ct
+
+
+def _all_gather_transpose(ct: Any, shape: tuple[int, ...], *, devices: Any) -> Any:
+    return reduce_scatter_p.bind(ct, op="sum", devices=devices).reshape(shape)
+
+
+def _reduce_scatter_transpose(ct: Any, shape: tuple[int, ...], *, op: str, devices: Any) -> Any:
+    return all_gather_p.bind(ct, devices=devices)
+
+
+def _all_to_all_transpose(ct: Any, shape: tuple[int, ...], *, devices: Any) -> Any:
+    return all_to_all_p.bind(ct, devices=devices)
+
+
+_rules.linear(all_reduce_p, _all_reduce_transpose, ops=_DIFFERENTIABLE)
+_rules.linear(broadcast_p, _broadcast_transpose)
+_rules.linear(reduce_p, _reduce_transpose, ops=("sum",))
+_rules.linear(all_gather_p, _all_gather_transpose)
+_rules.linear(reduce_scatter_p, _reduce_scatter_transpose, ops=("sum",))
+_rules.linear(all_to_all_p, _all_to_all_transpose)
+for _primitive in (all_reduce_p, broadcast_p, reduce_p):
+    _rules.elementwise_batching(_primitive)
+for _primitive in (all_gather_p, reduce_scatter_p, all_to_all_p):
+    _rules.first_axis_batching(_primitive)
+
+
+def _op(op: mt.ReduceOperation | str) -> str:
+    name = op.value if isinstance(op, mt.ReduceOperation) else str(op).lower()
+    name = {"avg": "mean", "average": "mean"}.get(name, name)
+    if name not in {member.value for member in mt.ReduceOperation}:
+        choices = ", ".join(repr(member.value) for member in mt.ReduceOperation)
+        raise ValueError(f"unknown reduction {op!r}: use one of {choices} (or a mpitensor.ReduceOperation)")
+    return name
+
+
+def _devices(devices: Devices) -> tuple[int, ...] | None:
+    if devices is None:
+        return None
+    return tuple(int(getattr(device, "rank", device)) for device in devices)
+
+
+def _root(root: Any) -> int:
+    return int(getattr(root, "rank", root))
+
+
+def _array(x: Any) -> Any:
+    _handler.register()
+    return jnp.asarray(x)
+
+
+def all_reduce(x: Any, op: mt.ReduceOperation | str = "sum", *, devices: Devices = None) -> Any:
+    """All-reduce a JAX array: every rank gets the element-wise reduction of all ranks' `x`.
+
+    Works eagerly and inside ``jax.jit``, ``grad``/``vjp`` (``sum`` and ``mean``), ``jvp``
+    and ``vmap``; the call is checked against the other ranks' calls as every mpitensor
+    collective is.
+
+    Args:
+        x: the array (or anything ``jnp.asarray`` takes).
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"``, ``"prod"``, ``"band"``, ``"bor"``,
+            ``"bxor"`` or a `mpitensor.ReduceOperation`.
+        devices: the group: ranks (or `Device`s) of the open context; None for all.
+
+    Returns:
+        A JAX array of `x`'s shape and dtype.
+
+    Raises:
+        ValueError: `op` is not a reduction.
+        TypeError: ``mean`` of an integer array.
+        NoContextError: no context is open.
+    """
+    return all_reduce_p.bind(_array(x), op=_op(op), devices=_devices(devices), adjoint=False)
+
+
+def broadcast(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
+    """Broadcast the root's `x` to every rank (every rank passes an array of its shape and dtype).
+
+    Args:
+        x: the array; on ranks other than the root only its shape and dtype count.
+        root: the sending rank (of the open context, a member of the group) or its `Device`.
+        devices: the group; None for every rank.
+
+    Returns:
+        The root's array, on every rank.
+
+    Raises:
+        NoContextError: no context is open.
+    """
+    return broadcast_p.bind(_array(x), root=_root(root), devices=_devices(devices))
+
+
+def reduce(x: Any, op: mt.ReduceOperation | str = "sum", root: Any = 0, *, devices: Devices = None) -> Any:
+    """Reduce every rank's `x` to the root.
+
+    Args:
+        x: the array.
+        op: the reduction (as for `all_reduce`).
+        root: the rank (or `Device`) that gets the result.
+        devices: the group; None for every rank.
+
+    Returns:
+        The reduction on the root; `x` unchanged on the other ranks (a compiled program's
+        result has one shape on every rank).
+
+    Raises:
+        ValueError: `op` is not a reduction.
+        NoContextError: no context is open.
+    """
+    return reduce_p.bind(_array(x), op=_op(op), root=_root(root), devices=_devices(devices))
+
+
+def all_gather(x: Any, *, tiled: bool = False, devices: Devices = None) -> Any:
+    """Gather every rank's `x` on every rank, in rank order.
+
+    Args:
+        x: the array; every rank passes the same shape.
+        tiled: False (as ``jax.lax.all_gather`` and mpi4jax): the arrays are stacked along a
+            new first axis, ``result[k]`` being rank k's; True: they are concatenated along
+            the first axis (as `mpitensor.all_gather`; a 0-d array counts as one element).
+        devices: the group; None for every rank.
+
+    Returns:
+        An array of shape ``(size, *x.shape)``, or ``(size * x.shape[0], *x.shape[1:])`` tiled.
+
+    Raises:
+        NoContextError: no context is open.
+    """
+    x = _array(x)
+    return all_gather_p.bind(x if tiled else x[None], devices=_devices(devices))
+
+
+def reduce_scatter(x: Any, op: mt.ReduceOperation | str = "sum", *, devices: Devices = None) -> Any:
+    """Reduce every rank's `x` element-wise and give rank k the k-th block of the first axis.
+
+    Args:
+        x: the array; its first axis a multiple of the group's size.
+        op: the reduction (as for `all_reduce`; ``sum`` for derivatives).
+        devices: the group; None for every rank.
+
+    Returns:
+        This rank's block: ``x.shape[0] // size`` rows.
+
+    Raises:
+        ValueError: `op` is not a reduction, or the first axis does not divide.
+        NoContextError: no context is open.
+    """
+    return reduce_scatter_p.bind(_array(x), op=_op(op), devices=_devices(devices))
+
+
+def all_to_all(x: Any, *, devices: Devices = None) -> Any:
+    """Send block k of `x`'s first axis to rank k; the result is the blocks received, in rank order.
+
+    Args:
+        x: the array; its first axis a multiple of the group's size.
+        devices: the group; None for every rank.
+
+    Returns:
+        An array of `x`'s shape.
+
+    Raises:
+        ValueError: the first axis does not divide by the group's size.
+        NoContextError: no context is open.
+    """
+    return all_to_all_p.bind(_array(x), devices=_devices(devices))

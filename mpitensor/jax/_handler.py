@@ -1,0 +1,61 @@
+"""The XLA side of mpitensor.jax: the FFI target, and the call sites it runs.
+
+A compiled collective is a custom call to the one target ``mpitensor_collective`` with
+an int64 attribute ``site``: the number of a *call site*, a kind of collective with its
+static parameters (op, root, group, dtype...). XLA calls the compiled handler
+(``native/ffi.c``) with its buffers; the handler calls `run` with NumPy views of them, and
+`run` calls the site's eager collective with the result buffer as ``out=``. So a compiled
+call is checked, timed out and failed fast as every eager call is, and needs no MPI handle
+baked into the compiled program: it uses whichever context is open when it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+TARGET = "mpitensor_collective"
+
+Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], None]
+
+_sites: list[Runner] = []
+_numbers: dict[Any, int] = {}
+_lock = threading.Lock()
+_registered = False
+
+
+def site(key: Any, runner: Runner) -> int:
+    """The number of the call site `key` (hashable), made with `runner` the first time."""
+    with _lock:
+        number = _numbers.get(key)
+        if number is None:
+            number = _numbers[key] = len(_sites)
+            _sites.append(runner)
+        return number
+
+
+def run(number: int, inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, ...]) -> None:
+    """Run call site `number` on XLA's buffers (called by the compiled handler)."""
+    _sites[number](inputs, results)
+
+
+def register() -> None:
+    """Register the FFI target with XLA for the CPU platform (once).
+
+    Raises:
+        ImportError: the compiled handler was not built (no C compiler at install).
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        import jax
+
+        from . import _ffi
+
+        _ffi.set_runner(run)
+        jax.ffi.register_ffi_target(TARGET, _ffi.capsule(), platform="cpu")
+        _registered = True

@@ -1,0 +1,82 @@
+"""What a compiled call site runs: the eager collective, its result written into XLA's buffer.
+
+A runner gets NumPy views of XLA's buffers: the input read-only, the result writable. Types
+NumPy lacks (bfloat16) come as bytes and are viewed in the call's dtype first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import mpitensor as mt
+
+Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], None]
+
+
+def make(kind: str, aval_in: Any, aval_out: Any, params: dict[str, Any]) -> Runner:
+    """The runner of a call site: collective `kind` with `params`, on arrays of these avals."""
+    start = _STARTS[kind]
+    dtype_in, shape_in = np.dtype(aval_in.dtype), tuple(aval_in.shape)
+    dtype_out, shape_out = np.dtype(aval_out.dtype), tuple(aval_out.shape)
+
+    def runner(inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, ...]) -> None:
+        source = _typed(inputs[0], dtype_in, shape_in)
+        out = _typed(results[0], dtype_out, shape_out)
+        start(source, out, params)
+
+    return runner
+
+
+def _typed(array: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    if array.dtype == dtype:
+        return array
+    return array.view(dtype).reshape(shape)
+
+
+# Up to this size the all-reduce's fresh result is copied into XLA's buffer: the compiled
+# lane of small all-reduces takes only calls without out=, and is faster even with the copy.
+_COPY_BYTES = 64 << 10
+
+
+def _all_reduce(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    if out.nbytes <= _COPY_BYTES:
+        np.copyto(out, mt.all_reduce(source, params["op"], params["devices"]).resolve())
+    else:
+        mt.all_reduce(source, params["op"], params["devices"], out=out).resolve()
+
+
+def _broadcast(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    mt.broadcast(source, root=params["root"], devices=params["devices"], out=out).resolve()
+
+
+def _all_gather(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    mt.all_gather(source, devices=params["devices"], out=out).resolve()
+
+
+def _reduce_scatter(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    mt.reduce_scatter(source, params["op"], devices=params["devices"], out=out).resolve()
+
+
+def _all_to_all(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    mt.all_to_all(source, devices=params["devices"], out=out).resolve()
+
+
+def _reduce(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    root = params["root"]
+    at_root = mt.current_context().rank == root
+    mt.reduce(source, params["op"], root=root, devices=params["devices"], out=out if at_root else None).resolve()
+    if not at_root:
+        out[...] = source
+
+
+_STARTS = {
+    "all_reduce": _all_reduce,
+    "broadcast": _broadcast,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_to_all": _all_to_all,
+    "reduce": _reduce,
+}
