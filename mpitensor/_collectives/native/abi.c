@@ -131,7 +131,7 @@ int mpi_bind(PyObject *module, int pointer_handles, char *why, size_t why_size) 
         return -1;
     }
     PyObject *in_place = PyObject_GetAttrString(module, "IN_PLACE");
-    mpi.exception = PyObject_GetAttrString(module, "Exception");
+    mpi.exception = in_place == NULL ? NULL : PyObject_GetAttrString(module, "Exception");
     if (in_place == NULL || mpi.exception == NULL) {
         Py_XDECREF(in_place);
         PyErr_Clear();

@@ -143,15 +143,19 @@ static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (closed < 0) return NULL;
     if (state == COMPLETE && (resolved == Py_True || !closed)) return resolved_value(self, op);
     if (state != POSTED || closed) return general(self, args, nargs, kwnames);
-    PyObject *engine = PyObject_GetAttr(ctx, names.engine), *timeout = PyObject_GetAttr(ctx, names.timeout);
-    int stepping = engine == NULL ? -1 : nonempty(engine, names.stepping), done = -1;
-    if (timeout != NULL && stepping == 0) {
+    /* Each step runs only where the one before it succeeded: no Python call is made with an
+     * error set (it would lose the error). */
+    PyObject *engine = PyObject_GetAttr(ctx, names.engine);
+    PyObject *timeout = engine == NULL ? NULL : PyObject_GetAttr(ctx, names.timeout);
+    int stepping = timeout == NULL ? -1 : nonempty(engine, names.stepping), done = -1;
+    if (stepping == 0) {
         PyObject *lock = PyObject_GetAttr(engine, names.lock);
         PyObject *acquire = lock == NULL ? NULL : PyObject_GetAttr(lock, names.acquire);
-        PyObject *release = lock == NULL ? NULL : PyObject_GetAttr(lock, names.release);
-        if (acquire != NULL && release != NULL && engine_lock(acquire) == 0) {
-            done = wait_posted(op, engine, timeout == Py_None, spins_for(engine));
-            engine_unlock(release);
+        PyObject *release = acquire == NULL ? NULL : PyObject_GetAttr(lock, names.release);
+        if (release != NULL && engine_lock(acquire) == 0) {
+            int spins = spins_for(engine);
+            done = wait_posted(op, engine, timeout == Py_None, spins);
+            engine_unlock(release); /* keeps wait_posted's error, if it failed */
         }
         Py_XDECREF(lock);
         Py_XDECREF(acquire);

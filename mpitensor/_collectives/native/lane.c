@@ -56,9 +56,11 @@ int engine_lock(PyObject *acquire) {
 }
 
 void engine_unlock(PyObject *release) {
+    Pending pending = pending_take(); /* the caller's error, if it is on an error path */
     PyObject *got = PyObject_CallNoArgs(release);
     if (got == NULL) PyErr_WriteUnraisable(release);
     Py_XDECREF(got);
+    pending_restore(pending);
 }
 
 /* A new object of a Python class with __slots__, its slots empty (filled by the caller). */
@@ -153,9 +155,10 @@ static int take_buffers(Lane *lane, PyObject **send, PyObject **recv, PyObject *
         Py_CLEAR(lane->recv);
         Py_CLEAR(lane->request);
         lane->send = PyByteArray_FromStringAndSize(NULL, consts.row_bytes);
-        lane->recv = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)consts.row_bytes * lane->size);
-        lane->request = mpi_new_request();
-        if (lane->send == NULL || lane->recv == NULL || lane->request == NULL) {
+        if (lane->send != NULL)
+            lane->recv = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)consts.row_bytes * lane->size);
+        if (lane->recv != NULL) lane->request = mpi_new_request();
+        if (lane->request == NULL) {
             Py_CLEAR(lane->send);
             Py_CLEAR(lane->recv);
             Py_CLEAR(lane->request);
@@ -306,19 +309,16 @@ static int call_prepare(Lane *lane, Call *call, PyObject *device, PyArrayObject 
     if (finish == NULL) return -1;
     call->op = make_op(lane, POSTED, lane->record, finish);
     Py_DECREF(finish);
+    if (call->op == NULL) return -1;
     PyObject *result = make_tensor(call->out, device);
-    if (call->op == NULL || result == NULL) {
-        Py_XDECREF(result);
-        return -1;
-    }
+    if (result == NULL) return -1;
     call->handle = make_handle(call->op, result, lane->ctx);
     Py_DECREF(result);
     if (call->handle == NULL) return -1;
     if (lane->kind == LANE_COPY) {
         PyObject *keep = PyTuple_Pack(1, call->out); /* MPI writes the copy until the op completes */
-        call->request = mpi_new_request();
-        if (keep == NULL || call->request == NULL ||
-            PyList_Append(SLOT(call->op, layout.op_requests), call->request) < 0) {
+        if (keep != NULL) call->request = mpi_new_request();
+        if (call->request == NULL || PyList_Append(SLOT(call->op, layout.op_requests), call->request) < 0) {
             Py_XDECREF(keep);
             return -1;
         }
@@ -487,24 +487,24 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "MEAN's division is compiled for float32 and float64 only");
         return -1;
     }
+    /* Each look-up only where the ones before it succeeded: none runs with an error set. */
     PyObject *engine = PyObject_GetAttr(ctx, names.engine);
     PyObject *lock = engine == NULL ? NULL : PyObject_GetAttr(engine, names.lock);
-    PyObject *comm = PyObject_GetAttrString(group, "comm"), *check_comm = PyObject_GetAttrString(group, "check_comm");
-    PyObject *device = PyObject_GetAttrString(ctx, "cpu_device"), *owner = PyObject_GetAttr(ctx, names.owner_thread);
-    PyObject *size = PyObject_GetAttrString(group, "size");
-    int ok = engine && lock && comm && check_comm && device && owner && size;
-    if (ok) {
-        lane->comm = mpi_comm_of(comm);
-        lane->check_comm = mpi_comm_of(check_comm);
-        lane->datatype = mpi_datatype_of(datatype);
-        lane->mpi_op = mpi_op_of(mpi_op);
-        lane->owner = PyLong_AsUnsignedLong(owner);
-        lane->size = (int)PyLong_AsLong(size);
-        lane->acquire = PyObject_GetAttr(lock, names.acquire);
-        lane->release = PyObject_GetAttr(lock, names.release);
-        lane->nbytes_obj = PyLong_FromSsize_t((Py_ssize_t)lane->nbytes);
-        ok = !PyErr_Occurred() && lane->acquire && lane->release && lane->nbytes_obj;
-    }
+    PyObject *comm = lock == NULL ? NULL : PyObject_GetAttrString(group, "comm");
+    PyObject *check_comm = comm == NULL ? NULL : PyObject_GetAttrString(group, "check_comm");
+    PyObject *device = check_comm == NULL ? NULL : PyObject_GetAttrString(ctx, "cpu_device");
+    PyObject *owner = device == NULL ? NULL : PyObject_GetAttr(ctx, names.owner_thread);
+    PyObject *size = owner == NULL ? NULL : PyObject_GetAttrString(group, "size");
+    int ok = size != NULL;
+    if (ok) ok = (lane->comm = mpi_comm_of(comm)) != -1 || !PyErr_Occurred();
+    if (ok) ok = (lane->check_comm = mpi_comm_of(check_comm)) != -1 || !PyErr_Occurred();
+    if (ok) ok = (lane->datatype = mpi_datatype_of(datatype)) != -1 || !PyErr_Occurred();
+    if (ok) ok = (lane->mpi_op = mpi_op_of(mpi_op)) != -1 || !PyErr_Occurred();
+    if (ok) ok = (lane->owner = PyLong_AsUnsignedLong(owner)) != (unsigned long)-1 || !PyErr_Occurred();
+    if (ok) ok = (lane->size = (int)PyLong_AsLong(size)) != -1 || !PyErr_Occurred();
+    if (ok) ok = (lane->acquire = PyObject_GetAttr(lock, names.acquire)) != NULL;
+    if (ok) ok = (lane->release = PyObject_GetAttr(lock, names.release)) != NULL;
+    if (ok) ok = (lane->nbytes_obj = PyLong_FromSsize_t((Py_ssize_t)lane->nbytes)) != NULL;
     /* The check's rows are gathered (2-8 ranks), and a carried call reduces at least two. */
     if (ok && record != Py_None && (lane->size < 2 || lane->size > 8)) {
         PyErr_SetString(PyExc_ValueError, "a checked lane needs a group of 2 to 8 ranks, whose checks gather rows");

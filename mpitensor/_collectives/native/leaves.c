@@ -24,8 +24,8 @@ PyObject *plain_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (!consts.bound) Py_RETURN_NONE;
     PyObject *values = args[0], *host = args[1];
     Py_ssize_t count = PyList_GET_SIZE(values);
-    PyObject *arrays = PyList_New(count), *devices = PyList_New(count);
-    if (arrays == NULL || devices == NULL) goto fail;
+    PyObject *arrays = PyList_New(count), *devices = arrays == NULL ? NULL : PyList_New(count);
+    if (devices == NULL) goto fail;
     PyArray_Descr *kind = NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *value = PyList_GET_ITEM(values, i), *array = value, *device = host;

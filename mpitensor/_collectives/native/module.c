@@ -124,13 +124,10 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__lanes(void) {
     import_array();
     if (names_init() < 0) return NULL;
-    consts.empty_tuple = PyTuple_New(0);
-    consts.one = PyLong_FromLong(1);
-    consts.kind_name = PyUnicode_InternFromString("all_reduce");
-    consts.queue_checked = PyUnicode_InternFromString("queue_checked");
-    consts.settle = PyUnicode_InternFromString("settle");
-    if (consts.empty_tuple == NULL || consts.one == NULL || consts.kind_name == NULL || consts.queue_checked == NULL ||
-        consts.settle == NULL)
+    if ((consts.empty_tuple = PyTuple_New(0)) == NULL || (consts.one = PyLong_FromLong(1)) == NULL ||
+        (consts.kind_name = PyUnicode_InternFromString("all_reduce")) == NULL ||
+        (consts.queue_checked = PyUnicode_InternFromString("queue_checked")) == NULL ||
+        (consts.settle = PyUnicode_InternFromString("settle")) == NULL)
         return NULL;
     if (PyType_Ready(&LaneType) < 0 || PyType_Ready(&DivideType) < 0 || PyType_Ready(&EntryType) < 0) return NULL;
     PyObject *module = PyModule_Create(&module_def);

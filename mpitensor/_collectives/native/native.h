@@ -143,8 +143,35 @@ PyObject *pack_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 PyObject *unpack_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 extern const char plain_leaves_doc[], pack_doc[], unpack_doc[];
 
-/* Call `lock.acquire()` / `lock.release()` of the engine (an RLock). */
+/* Call `lock.acquire()` / `lock.release()` of the engine (an RLock). `engine_unlock` keeps an
+ * exception already set: the error paths release the lock with their error pending, and a
+ * Python call made with an exception set would lose it (SystemError: "returned NULL without
+ * setting an exception"). */
 int engine_lock(PyObject *acquire);
 void engine_unlock(PyObject *release);
+
+/* An exception taken out of the interpreter while Python code runs, then put back. Every C
+ * path that calls into Python with an error already set goes through these. */
+#if PY_VERSION_HEX >= 0x030C0000
+typedef struct {
+    PyObject *raised;
+} Pending;
+static inline Pending pending_take(void) { return (Pending){PyErr_GetRaisedException()}; }
+static inline void pending_restore(Pending pending) {
+    if (pending.raised != NULL) PyErr_SetRaisedException(pending.raised);
+}
+#else
+typedef struct {
+    PyObject *type, *value, *traceback;
+} Pending;
+static inline Pending pending_take(void) {
+    Pending pending;
+    PyErr_Fetch(&pending.type, &pending.value, &pending.traceback);
+    return pending;
+}
+static inline void pending_restore(Pending pending) {
+    if (pending.type != NULL) PyErr_Restore(pending.type, pending.value, pending.traceback);
+}
+#endif
 
 #endif

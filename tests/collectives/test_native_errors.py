@@ -1,0 +1,62 @@
+"""The compiled lane's errors: what it raises is what the Python lanes would.
+
+An error MPI reports inside the compiled resolve reaches the program as the Python lane's
+error (the engine's lock is released without losing it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mpitensor._collectives import native
+from tests.helpers import run_job
+
+switched_off = os.environ.get("MPITENSOR_NATIVE", "").strip() == "0"
+needs_compiled = pytest.mark.skipif(switched_off or not native.built(),
+                                    reason="MPITENSOR_NATIVE=0, or built without a C compiler: the Python lanes only")
+
+# Check off, ranks disagreeing on length on lanes both have: MPI sees mismatched counts. Each
+# rank reports how its call ended, then leaves at once (a rank MPI left waiting would wait forever).
+_MISMATCHED_LENGTHS = """
+import os, time
+import numpy as np
+import mpitensor as mt
+
+with mt.DistributedContext.init(config=mt.DistributedConfig(check=False)) as ctx:
+    for n in (4, 8):
+        for _ in range(3):
+            mt.all_reduce(np.ones(n)).resolve()
+    pending = mt.all_reduce(np.ones(4 if ctx.rank == 0 else 8))
+    report("handle", type(pending).__name__)
+    try:
+        report("outcome ok", pending.resolve().shape)
+    except BaseException as exc:
+        report("outcome", type(exc).__name__, str(exc).replace("\\n", " | "))
+    time.sleep(2)  # the peer's report, if it has one to make
+    os._exit(0)
+"""
+
+
+@pytest.mark.subprocess
+@needs_compiled
+def test_check_off_mismatched_lengths_give_the_python_lanes_outcome(tmp_path):
+    """The compiled resolve's MPI error is the Python lane's (Open MPI: ContextBrokenError, MPI_ERR_TRUNCATE),
+    never SystemError; on MPIs that do not notice, both lanes complete alike."""
+    outcomes = {}
+    for lane, env in (("compiled", None), ("python", {"MPITENSOR_NATIVE": "0"})):
+        result = run_job(_MISMATCHED_LENGTHS, 2, timeout=90, env=env, tmp_path=tmp_path)
+        handles = result.reported("handle")
+        assert handles == [f"handle {'LaneTensor' if lane == 'compiled' else 'CollectiveTensor'}"] * 2, result.output
+        # MPI's own words for the failure vary from run to run (MPI_ERR_TRUNCATE, MPI_ERR_OTHER):
+        # compared up to them.
+        outcomes[lane] = {rank: [line.split(": MPI_ERR")[0] for line in lines if line.startswith("outcome")]
+                          for rank, lines in result.reports.items()}
+        assert outcomes[lane].get(0), result.output
+    assert outcomes["compiled"] == outcomes["python"], outcomes
+    for lines in outcomes["compiled"].values():
+        for line in lines:
+            assert line.startswith("outcome ok") or line in (
+                f"outcome ContextBrokenError MPI failed in all_reduce of 32 B on group [0, 1] on rank {rank}"
+                for rank in (0, 1)), line
