@@ -1,21 +1,49 @@
 """The compiled lane's errors: what it raises is what the Python lanes would.
 
 An error MPI reports inside the compiled resolve reaches the program as the Python lane's
-error (the engine's lock is released without losing it).
+error (the engine's lock is released without losing it); a `LaneTensor` of anything but an
+engine `Op` is a TypeError, not a read at Op's slots.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
+import mpitensor as mt
 from mpitensor._collectives import native
+from mpitensor._collectives.native import LaneTensor
 from tests.helpers import run_job
 
 switched_off = os.environ.get("MPITENSOR_NATIVE", "").strip() == "0"
 needs_compiled = pytest.mark.skipif(switched_off or not native.built(),
                                     reason="MPITENSOR_NATIVE=0, or built without a C compiler: the Python lanes only")
+
+_NOT_AN_OP = "a LaneTensor is the handle of an engine Op, got int"
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_lane_tensor_of_something_else_than_an_op_is_a_type_error():
+    """Made in Python, a LaneTensor checks its op; the compiled resolve refuses an op replaced later."""
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=False)) as ctx:
+        with pytest.raises(TypeError) as caught:
+            LaneTensor(12345, mt.from_numpy(np.ones(2)), ctx)
+        assert str(caught.value) == _NOT_AN_OP
+        for _ in range(3):
+            pending = mt.all_reduce(np.ones(2))
+            assert pending.resolve().numpy().tolist() == [float(ctx.size)] * 2
+        if type(pending) is LaneTensor and native.status() == "on":
+            replaced = mt.all_reduce(np.ones(2))
+            op = replaced._op
+            replaced._op = 12345  # what only a program reaching into the handle can do
+            with pytest.raises(TypeError) as caught:
+                replaced.resolve()
+            assert str(caught.value) == _NOT_AN_OP
+            replaced._op = op
+            assert replaced.resolve().numpy().tolist() == [float(ctx.size)] * 2
+
 
 # Check off, ranks disagreeing on length on lanes both have: MPI sees mismatched counts. Each
 # rank reports how its call ended, then leaves at once (a rank MPI left waiting would wait forever).

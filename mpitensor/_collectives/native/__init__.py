@@ -78,9 +78,21 @@ class LaneTensor(CollectiveTensor):
 
     A `CollectiveTensor` in every way; its `resolve()` is compiled (installed when the
     module is bound) for the plain wait of a posted op, and is the general one otherwise.
+    The compiled lane makes its handles without `__init__`; one made in Python is checked
+    here, because the compiled resolve reads its op at `Op`'s slots.
     """
 
     __slots__ = ()
+
+    def __init__(self, op: Op, value: Any, ctx: Any) -> None:
+        """A handle of `op`, whose result is `value`, on context `ctx`.
+
+        Raises:
+            TypeError: `op` is not the engine's `Op`.
+        """
+        if not isinstance(op, Op):
+            raise TypeError(f"a LaneTensor is the handle of an engine Op, got {type(op).__name__}")
+        super().__init__(op, value, ctx)
 
 
 class _Binding:

@@ -135,6 +135,12 @@ static PyObject *resolved_value(PyObject *self, PyObject *op) {
 static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *op = SLOT(self, layout.handle_op), *value = SLOT(self, layout.handle_value);
     PyObject *ctx = SLOT(self, layout.handle_ctx), *resolved = SLOT(self, layout.handle_resolved);
+    /* The op's slots are read at Op's offsets: anything else (a handle's op replaced by
+     * hand; LaneTensor() refuses one at construction) is refused before any is read. */
+    if (op != NULL && !PyObject_TypeCheck(op, layout.op_type)) {
+        PyErr_Format(PyExc_TypeError, "a LaneTensor is the handle of an engine Op, got %.100s", Py_TYPE(op)->tp_name);
+        return NULL;
+    }
     if (nargs + (kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames)) != 0 || op == NULL || value == NULL ||
         ctx == NULL || resolved == NULL)
         return general(self, args, nargs, kwnames);

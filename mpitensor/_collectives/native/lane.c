@@ -474,7 +474,8 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     PyArrayObject *array = (PyArrayObject *)template;
     lane->ndim = PyArray_NDIM(array);
-    memcpy(lane->dims, PyArray_DIMS(array), sizeof(npy_intp) * (size_t)lane->ndim);
+    /* A 0-d template has no dims (NumPy's pointer may be NULL, which memcpy may not take). */
+    if (lane->ndim > 0) memcpy(lane->dims, PyArray_DIMS(array), sizeof(npy_intp) * (size_t)lane->ndim);
     lane->count = PyArray_SIZE(array);
     lane->nbytes = PyArray_NBYTES(array);
     lane->type_num = PyArray_TYPE(array);
