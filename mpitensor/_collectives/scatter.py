@@ -71,6 +71,9 @@ def scatter(
         ValueError: bad axis, a 0-d tensor, a `shape` with None elsewhere than at `axis`,
             counts that do not fit, a length that does not divide into equal blocks, or
             a root outside the group.
+        MemoryError: this rank's block cannot be allocated (a `shape` far beyond the
+            root's, say); the message names the shape. Its peers get a
+            `CollectiveMismatchError` with that message, as for every error of one rank's call.
         CollectiveMismatchError: the ranks disagree on shape, dtype, axis, counts, root or group.
     """
     ctx = context_for("scatter")
@@ -107,8 +110,24 @@ def scatter(
 
 def _receive(ctx: Any, source: Any, whole: tuple[int, ...], dtype: np.dtype, axis: int,
              rows: int) -> tuple[np.ndarray, Tensor]:
-    """The buffer this rank receives into (`axis` in front, `rows` long) and the result tensor viewing it."""
-    out = ctx.pool.empty((rows, *whole[:axis], *whole[axis + 1:]), dtype)
+    """The buffer this rank receives into (`axis` in front, `rows` long) and the result tensor viewing it.
+
+    Raises:
+        MemoryError: the block cannot be allocated; the message names the whole shape and
+            where it came from. It stays a MemoryError (an error of this rank's own call),
+            so this rank still takes its turn and its peers fail with its message.
+    """
+    block = (rows, *whole[:axis], *whole[axis + 1:])
+    try:
+        out = ctx.pool.empty(block, dtype)
+    except MemoryError as exc:
+        given = "the shape= this rank passed" if source is None else "this rank's input"
+        raise MemoryError(
+            f"scatter: cannot allocate this rank's block of {_size_text(math.prod(block) * dtype.itemsize)} "
+            f"({rows} of the {whole[axis]} slices along axis {axis} of a {dtype} tensor of shape {whole}, "
+            f"from {given}). A non-root rank's shape= must be the root's whole shape (what the root splits), "
+            f"not a size to reserve; check it, or split the tensor over more ranks or with counts="
+        ) from exc
     device = ctx.cpu_device if source is None else result_device(ctx, source)
     return out, Tensor(np.moveaxis(out, 0, axis) if axis else out, device)
 
@@ -222,6 +241,16 @@ def _blocks(length: int, size: int, counts: list[int] | None) -> list[int]:
             f"to the length {length} along the axis, got {counts}"
         )
     return counts
+
+
+def _size_text(nbytes: int) -> str:
+    """`nbytes` in words: ``4.00 TiB``."""
+    size, unit = float(nbytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if size < 1024 or unit == "EiB":
+            break
+        size /= 1024
+    return f"{nbytes} B" if unit == "B" else f"{size:.2f} {unit}"
 
 
 class _ScatterRecord(Record):

@@ -181,3 +181,26 @@ def test_a_trailing_shape_the_counts_complete_wrongly_is_a_mismatch(module_ctx):
                        match=rf"Mismatched scatter tensor shapes: .*\({ctx.size}, 3\).*\({ctx.size},\)"):
         mt.scatter(mine, 0, counts=counts, dtype=np.float32).resolve()
     assert mt.all_reduce(np.ones(1)).resolve().item() == ctx.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_shape_too_large_to_allocate_is_named_and_the_root_learns_of_it(module_ctx):
+    """A non-root's shape= whose block no process can hold (256 TiB): a MemoryError naming the shape and
+    what shape= must be, not NumPy's bare one; the root gets that message, and the next collective works."""
+    ctx = module_ctx
+    length = ctx.size << 45  # each rank's block: 2**45 float64, 256 TiB, beyond a process's address space
+    if ctx.rank == 0:
+        with pytest.raises(mt.CollectiveMismatchError) as caught:
+            mt.scatter(np.ones(ctx.size), 0).resolve()
+        assert "scatter failed on that rank: MemoryError: scatter: cannot allocate this rank's block of 256.00 TiB" \
+            in str(caught.value), str(caught.value)
+    else:
+        with pytest.raises(MemoryError) as caught:
+            mt.scatter(None, 0, shape=(length,), dtype=np.float64)
+        assert str(caught.value) == (
+            f"scatter: cannot allocate this rank's block of 256.00 TiB ({1 << 45} of the {length} slices along "
+            f"axis 0 of a float64 tensor of shape ({length},), from the shape= this rank passed). A non-root "
+            "rank's shape= must be the root's whole shape (what the root splits), not a size to reserve; check "
+            "it, or split the tensor over more ranks or with counts="
+        )
+    assert mt.all_reduce(np.ones(1)).resolve().item() == ctx.size
