@@ -37,7 +37,7 @@ from .._transport.mpi import SMALL_BYTES, in_place, out_of_place
 from .._transport.reduction import finish_reduction, needs_decoding, reduction_finisher, reduction_input
 from .._transport.select import IN_CHECK, IN_PLACE, PLAIN
 from .common import CollectiveTensor, Input, follow
-from .native import compiled_lane, front
+from .native import compiled_lane, forget, front
 
 __all__ = ["LANES", "LANE_BYTES", "CheckLane", "CopyLane", "PlainLane", "keep_lane", "start_reduction", "with_lane"]
 
@@ -298,11 +298,30 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
         lane = PlainLane(ctx, group, plan, record)
     lanes = group.extra.get(LANES)
     if lanes is None or len(lanes) >= _MAX_LANES:
-        lanes = group.extra[LANES] = {}
+        lanes = group.extra[LANES] = _Lanes(ctx)
     try:
         lanes[(array.dtype, array.shape, op)] = lane
     except TypeError:  # an unhashable op that parsed: such calls keep the general path
         pass
+
+
+class _Lanes(dict):
+    """A context's lanes by kind, which the context frees with its group's other caches.
+
+    Freeing tells the compiled entry to drop its cached lanes of the context, so that a
+    closed context is not kept alive by them.
+    """
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def free(self) -> None:
+        """Forget the lanes here and in the compiled entry's cache (the context is closing)."""
+        forget(self.ctx)
+        self.clear()
 
 
 def start_reduction(call: ReduceCall, record: Any, device: Any) -> CollectiveTensor:

@@ -1,13 +1,16 @@
-"""The compiled lane's errors: what it raises is what the Python lanes would.
+"""The compiled lane's errors and lifetimes: what it raises and keeps is what the Python lanes would.
 
 An error MPI reports inside the compiled resolve reaches the program as the Python lane's
 error (the engine's lock is released without losing it); a `LaneTensor` of anything but an
-engine `Op` is a TypeError, not a read at Op's slots.
+engine `Op` is a TypeError, not a read at Op's slots; a closed context is not kept alive by
+the compiled entry's cache of lanes.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -43,6 +46,24 @@ def test_a_lane_tensor_of_something_else_than_an_op_is_a_type_error():
             assert str(caught.value) == _NOT_AN_OP
             replaced._op = op
             assert replaced.resolve().numpy().tolist() == [float(ctx.size)] * 2
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("check", [False, True])
+def test_a_closed_context_is_not_kept_alive_by_the_lanes(check):
+    """After close() and a collection, nothing holds the context: not the lanes, not the compiled entry's cache."""
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)) as ctx:
+        for _ in range(4):
+            pending = mt.all_reduce(np.ones(2))
+            assert pending.resolve().numpy().tolist() == [float(ctx.size)] * 2
+        on_compiled = type(pending) is LaneTensor
+    if not switched_off and native.status() == "on" and (not check or 1 < ctx.size <= 8):
+        assert on_compiled, "the calls did not take the compiled lane: the cache was not exercised"
+    del pending
+    closed = weakref.ref(ctx)
+    del ctx
+    gc.collect()
+    assert closed() is None, [type(referrer).__name__ for referrer in gc.get_referrers(closed())]
 
 
 # Check off, ranks disagreeing on length on lanes both have: MPI sees mismatched counts. Each

@@ -57,7 +57,7 @@ except ImportError as _error:  # built without a compiler, or for another interp
     _lanes = None
     _BUILD_ERROR = str(_error)
 
-__all__ = ["LaneTensor", "built", "compiled_lane", "front", "leaf_loops", "status"]
+__all__ = ["LaneTensor", "built", "compiled_lane", "forget", "front", "leaf_loops", "status"]
 
 # ReduceOperation to the C loops' op codes (MEAN reduces as SUM, then divides).
 _OP_CODES = {
@@ -179,6 +179,16 @@ def status(bind: bool = False) -> str:
     if not _binding.tried:
         return "built, not bound yet"
     return "on" if _binding.why == "" else _binding.why
+
+
+def forget(ctx: Any) -> None:
+    """Drop the compiled entry's cached lanes of `ctx`, a context that is closing.
+
+    The cache outlives contexts; without this it would keep a closed context (and what
+    the context holds) alive until a newer context's lane displaced it.
+    """
+    if _lanes is not None:
+        _lanes.forget(ctx)
 
 
 def built() -> bool:

@@ -7,7 +7,8 @@
  * whose lookup of the context's lanes compares dtypes, shapes and ops by equality; a
  * compiled lane started from there enters the cache. A lane is only ever a correct lane for
  * the calls it matches, so the cache can hold any of them: entries of a context give way to
- * a newer context's, which is what bounds how long a closed context stays referenced.
+ * a newer context's. A context that closes drops its entries at once (`forget`, from the
+ * lanes' `free` when the context frees its groups): the cache must not keep it alive.
  */
 #include "native.h"
 
@@ -28,6 +29,17 @@ void lane_cache_insert(PyObject *lane) {
         for (int i = 0; i < CACHE_SIZE; i++) Py_CLEAR(cache[i]);
     Py_XSETREF(cache[cache_next], Py_NewRef(lane));
     cache_next = (cache_next + 1) % CACHE_SIZE;
+}
+
+const char forget_doc[] =
+"forget(ctx)\n--\n\n"
+"Drop the cache's lanes of context `ctx` (which is closing), and with them the cache's references to it.";
+
+PyObject *lane_cache_forget(PyObject *module, PyObject *ctx) {
+    (void)module;
+    for (int i = 0; i < CACHE_SIZE; i++)
+        if (cache[i] != NULL && lane_context(cache[i]) == ctx) Py_CLEAR(cache[i]);
+    Py_RETURN_NONE;
 }
 
 PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op) {

@@ -134,6 +134,8 @@ int lane_matches(PyObject *lane, PyObject *ctx, PyArrayObject *array, PyObject *
 PyObject *lane_context(PyObject *lane); /* borrowed */
 void lane_cache_insert(PyObject *lane);
 PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op);
+PyObject *lane_cache_forget(PyObject *module, PyObject *ctx);
+extern const char forget_doc[];
 extern PyMethodDef handle_resolve_def;
 PyObject *make_tensor(PyObject *array, PyObject *device);
 
