@@ -8,7 +8,7 @@
 #   make bench BENCH_TORCH=           no torch (the gloo column is skipped, with a note)
 # torch==2.13.0 matches the CPU wheel this project is measured with; from PyPI other
 # platforms may fetch a CUDA build of it (large). Any torch version works for the baseline.
-.PHONY: bench bench-venv bench-report bench-doc
+.PHONY: bench bench-venv bench-report bench-doc bench-jax
 
 BENCH_VENV ?= .venv-bench-$(MPI)
 BENCH_OUT ?= bench-results
@@ -45,3 +45,16 @@ bench-report:
 bench-doc:
 	$(BENCH_VENV)/bin/python -m mpitensor.bench report $(BENCH_OUT)/*.json --plots docs/benchmarks \
 	  -o $(BENCH_OUT)/BENCHMARKS-body.md
+
+# mpitensor.jax inside jax.jit against mpi4jax at 2 ranks. mpi4jax builds from source against
+# the venv's mpicc; PATH keeps only the venv and the system's compilers, since an nvcc found
+# elsewhere on PATH makes its build look for CUDA headers.
+bench-jax: bench-venv
+	@if ! $(BENCH_VENV)/bin/python -c "import mpi4jax" 2>/dev/null; then \
+	  export PATH="$(CURDIR)/$(BENCH_VENV)/bin:/usr/bin:/bin"; \
+	  { $(BENCH_VENV)/bin/python -m pip install -q nanobind && \
+	    $(BENCH_VENV)/bin/python -m pip install -q --no-build-isolation mpi4jax; } || \
+	    echo "bench-jax: could not build mpi4jax; its column will be missing"; \
+	fi
+	timeout -k 10 1800 scripts/mpirun.sh --venv $(BENCH_VENV) -n 2 \
+	  $(BENCH_VENV)/bin/python -m mpitensor.bench jax --out $(BENCH_OUT) $(BENCH_ARGS)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
+from pathlib import Path
 from typing import Any
 
 from .._collectives import native
@@ -49,10 +51,17 @@ def collect(ctx: DistributedContext) -> list[dict[str, Any]]:
         "pid": os.getpid(),
         "compiled": native.status(bind=True),
         "streaming": streaming_add is not None,
+        "jax_handler": _jax_handler_built(),
         "wrong_sums": " ".join(sorted(str(dtype) for dtype in mpi_arithmetic.probe())),
         "check": ctx.config.check,
     }
     return ctx.comm.allgather(row)
+
+
+def _jax_handler_built() -> bool:
+    """Whether mpitensor.jax's compiled handler is installed (looked up without importing JAX)."""
+    folder = Path(__file__).resolve().parent.parent / "jax"
+    return any((folder / f"_ffi{suffix}").exists() for suffix in importlib.machinery.EXTENSION_SUFFIXES)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -91,6 +100,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     streaming = {row["streaming"] for row in rows}
     lines.append("streaming sum of large shared-memory all-reduces: "
                  + ("on" if streaming == {True} else "off" if streaming == {False} else "on some ranks only"))
+    handler = {row["jax_handler"] for row in rows}
+    lines.append("mpitensor.jax's compiled handler (collectives inside jax.jit): "
+                 + ("built" if handler == {True} else "not built (no C compiler at install)" if handler == {False}
+                    else "built on some ranks only"))
     wrong = {row["wrong_sums"] for row in rows}
     if wrong != {""}:
         lines.append(f"MPI's own SUM of {' / '.join(sorted(wrong - {''}))} saturates instead of wrapping "

@@ -1,4 +1,4 @@
-"""``python -m mpitensor.bench [all|sweep|overlap|fused|interop|collectives|torch|jax|report] ...`` (mpiexec but report).
+"""``python -m mpitensor.bench [all|sweep|...|torch|jax|report] ...`` (under mpiexec, but report).
 
 Examples::
 
@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpitensor.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="all",
-                        choices=["all", "sweep", "overlap", "fused", "interop", "collectives", "torch", "jax", "report"],
+                        choices=["all", "sweep", "overlap", "fused", "interop", "collectives", "torch", "jax",
+                                 "report"],
                         help="what to run (default: all; torch's row runs where torch is installed)")
     parser.add_argument("files", nargs="*", help="report: the JSON files of the runs")
     parser.add_argument("--sizes", default="8:64M", help="sweep sizes: 'LOW:HIGH' powers of two or a list (8:64M)")

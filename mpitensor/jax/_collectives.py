@@ -53,8 +53,8 @@ all_to_all_p = _primitives.make("all_to_all", _exchanged)
 
 
 def _all_reduce_transpose(ct: Any, shape: tuple[int, ...], *, op: str, devices: Any, adjoint: bool) -> Any:
-    if op == "mean":
-        return ct / _rules.size(devices) if not adjoint else all_reduce_p.bind(ct, op=op, devices=devices, adjoint=False)
+    if op == "mean":  # one value held by every rank, 1/size of each rank's input
+        return ct / _rules.size(devices)
     return all_reduce_p.bind(ct, op=op, devices=devices, adjoint=not adjoint)
 
 

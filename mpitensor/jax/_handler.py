@@ -54,8 +54,14 @@ def register() -> None:
             return
         import jax
 
-        from . import _ffi
-
+        try:
+            from . import _ffi
+        except ImportError as exc:
+            raise ImportError(
+                "mpitensor.jax needs its compiled handler (mpitensor.jax._ffi), which this install "
+                "lacks: it is built by pip install when a C compiler is found; reinstall mpitensor "
+                "with one (python -m mpitensor info says which compiled parts are present)"
+            ) from exc
         _ffi.set_runner(run)
         jax.ffi.register_ffi_target(TARGET, _ffi.capsule(), platform="cpu")
         _registered = True

@@ -64,7 +64,7 @@ def _differentiable(primitive: Primitive, params: dict[str, Any], ops: tuple[str
 
 
 def elementwise_batching(primitive: Primitive) -> None:
-    """vmap of an element-wise collective: one call on the batch, the batch axis kept."""
+    """Vmap of an element-wise collective: one call on the batch, the batch axis kept."""
 
     def rule(args: Any, dims: Any, **params: Any) -> tuple[Any, Any]:
         return primitive.bind(args[0], **params), dims[0]
@@ -73,7 +73,7 @@ def elementwise_batching(primitive: Primitive) -> None:
 
 
 def first_axis_batching(primitive: Primitive) -> None:
-    """vmap of a collective that cuts or joins along axis 0: the batch moves to axis 1."""
+    """Vmap of a collective that cuts or joins along axis 0: the batch moves to axis 1."""
 
     def rule(args: Any, dims: Any, **params: Any) -> tuple[Any, Any]:
         x = args[0]
