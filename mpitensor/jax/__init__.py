@@ -26,6 +26,30 @@ all-gather and reduce-scatter to each other, all-to-all to itself.
 
 from __future__ import annotations
 
-from ._collectives import all_gather, all_reduce, all_to_all, broadcast, reduce, reduce_scatter
+from ._collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    barrier,
+    broadcast,
+    gather,
+    reduce,
+    reduce_scatter,
+    scan,
+    scatter,
+    sendrecv,
+)
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce", "reduce_scatter"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "scan",
+    "scatter",
+    "sendrecv",
+]

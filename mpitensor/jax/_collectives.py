@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 import mpitensor as mt
 
@@ -44,12 +45,37 @@ def _exchanged(shape: tuple[int, ...], *, devices: tuple[int, ...] | None) -> tu
     return shape
 
 
+def _gathered_at_root(shape: tuple[int, ...], *, root: int, devices: tuple[int, ...] | None) -> tuple[int, ...]:
+    return (_rules.size(devices), *shape) if _rules.rank() == root else shape
+
+
+def _scattered_from_root(shape: tuple[int, ...], *, root: int, devices: tuple[int, ...] | None) -> tuple[int, ...]:
+    if _rules.rank() != root:
+        return shape
+    size = _rules.size(devices)
+    if not shape or shape[0] != size:
+        raise ValueError(
+            f"mpitensor.jax.scatter: the root's input has one row per rank along its first axis, so a first "
+            f"axis of {size}, but its shape is {shape}"
+        )
+    return shape[1:]
+
+
+def _received(shape: tuple[int, ...], *, recv_shape: tuple[int, ...], **params: Any) -> tuple[int, ...]:
+    return recv_shape
+
+
 all_reduce_p = _primitives.make("all_reduce", _same)
 broadcast_p = _primitives.make("broadcast", _same)
 reduce_p = _primitives.make("reduce", _same)
 all_gather_p = _primitives.make("all_gather", _gathered)
 reduce_scatter_p = _primitives.make("reduce_scatter", _scattered)
 all_to_all_p = _primitives.make("all_to_all", _exchanged)
+gather_p = _primitives.make("gather", _gathered_at_root)
+scatter_p = _primitives.make("scatter", _scattered_from_root)
+scan_p = _primitives.make("scan", _same)
+barrier_p = _primitives.make("barrier", _same)
+sendrecv_p = _primitives.make("sendrecv", _received)
 
 
 def _all_reduce_transpose(ct: Any, shape: tuple[int, ...], *, op: str, devices: Any, adjoint: bool) -> Any:
@@ -80,14 +106,23 @@ def _all_to_all_transpose(ct: Any, shape: tuple[int, ...], *, devices: Any) -> A
     return all_to_all_p.bind(ct, devices=devices)
 
 
+def _sendrecv_transpose(ct: Any, shape: tuple[int, ...], *, recv_shape: Any, recv_dtype: Any, source: int, dest: int,
+                        tag: int) -> Any:
+    # What came from `source` carries its cotangent back there; this rank's sent data gets
+    # the cotangent of what `dest` received.
+    return sendrecv_p.bind(ct, recv_shape=shape, recv_dtype=ct.dtype, source=dest, dest=source, tag=tag)
+
+
 _rules.linear(all_reduce_p, _all_reduce_transpose, ops=_DIFFERENTIABLE)
+_rules.linear(sendrecv_p, _sendrecv_transpose)
 _rules.linear(broadcast_p, _broadcast_transpose)
 _rules.linear(reduce_p, _reduce_transpose, ops=("sum",))
 _rules.linear(all_gather_p, _all_gather_transpose)
 _rules.linear(reduce_scatter_p, _reduce_scatter_transpose, ops=("sum",))
 _rules.linear(all_to_all_p, _all_to_all_transpose)
-for _primitive in (all_reduce_p, broadcast_p, reduce_p):
+for _primitive in (all_reduce_p, broadcast_p, reduce_p, scan_p):
     _rules.elementwise_batching(_primitive)
+_rules.received_batching(sendrecv_p)
 for _primitive in (all_gather_p, reduce_scatter_p, all_to_all_p):
     _rules.first_axis_batching(_primitive)
 
@@ -230,3 +265,95 @@ def all_to_all(x: Any, *, devices: Devices = None) -> Any:
         NoContextError: no context is open.
     """
     return all_to_all_p.bind(_array(x), devices=_devices(devices))
+
+
+def gather(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
+    """Gather every rank's `x` on the root, stacked along a new first axis (as mpi4jax's).
+
+    Args:
+        x: the array; every rank passes the same shape.
+        root: the rank (or `Device`) that gets the result.
+        devices: the group; None for every rank.
+
+    Returns:
+        On the root, ``(size, *x.shape)``, row k being rank k's `x`; elsewhere `x` unchanged
+        (a compiled program's result has one shape per rank).
+
+    Raises:
+        NoContextError: no context is open.
+    """
+    return gather_p.bind(_array(x), root=_root(root), devices=_devices(devices))
+
+
+def scatter(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
+    """Give rank k row k of the root's `x` (as mpi4jax's).
+
+    Args:
+        x: on the root, an array of ``(size, *shape)``; elsewhere an array of ``shape`` and the
+            root's dtype (only its shape and dtype count).
+        root: the sending rank (or `Device`).
+        devices: the group; None for every rank.
+
+    Returns:
+        This rank's row, of ``shape``.
+
+    Raises:
+        ValueError: the root's first axis is not the group's size.
+        NoContextError: no context is open.
+    """
+    return scatter_p.bind(_array(x), root=_root(root), devices=_devices(devices))
+
+
+def scan(x: Any, op: mt.ReduceOperation | str = "sum", *, exclusive: bool = False, devices: Devices = None) -> Any:
+    """Prefix reduction in rank order: rank k gets the reduction of ranks 0..k's `x`.
+
+    Args:
+        x: the array; the same shape on every rank.
+        op: the reduction (as for `all_reduce`).
+        exclusive: reduce ranks 0..k-1 instead (`mpitensor.exscan`; rank 0 gets the op's identity).
+        devices: the group; None for every rank.
+
+    Returns:
+        An array of `x`'s shape and dtype.
+
+    Raises:
+        ValueError: `op` is not a reduction.
+        NoContextError: no context is open.
+    """
+    return scan_p.bind(_array(x), op=_op(op), exclusive=bool(exclusive), devices=_devices(devices))
+
+
+def barrier(*, devices: Devices = None) -> None:
+    """Wait until every rank of the group arrives; inside ``jax.jit`` it keeps its place in the program order.
+
+    Args:
+        devices: the group; None for every rank.
+
+    Raises:
+        NoContextError: no context is open.
+    """
+    barrier_p.bind(_array(np.int32(0)), devices=_devices(devices))
+
+
+def sendrecv(sendbuf: Any, recvbuf: Any, source: Any, dest: Any, *, tag: int = 0) -> Any:
+    """Send `sendbuf` to `dest` and receive from `source` at once (as mpi4py's and mpi4jax's ``sendrecv``).
+
+    Both sides of an exchange call it, so a ring or a halo exchange cannot deadlock. Under
+    ``grad`` the cotangent of what was received goes back to `source`.
+
+    Args:
+        sendbuf: the array to send.
+        recvbuf: an array of the shape and dtype to receive (only those count).
+        source: the rank (or `Device`) to receive from.
+        dest: the rank (or `Device`) to send to.
+        tag: tells apart messages between the same two ranks (0..16383).
+
+    Returns:
+        A new array: what `source` sent.
+
+    Raises:
+        NoContextError: no context is open.
+    """
+    template = jnp.asarray(recvbuf)
+    return sendrecv_p.bind(_array(sendbuf), recv_shape=tuple(template.shape), recv_dtype=np.dtype(template.dtype),
+                           source=_root(source), dest=_root(dest), tag=int(tag))

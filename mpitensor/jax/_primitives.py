@@ -26,12 +26,16 @@ Shape = Callable[..., tuple[int, ...]]
 
 
 def make(kind: str, shape: Shape) -> Primitive:
-    """A primitive for the collective `kind`, whose result shape `shape(in_shape, **params)` gives."""
+    """A primitive for the collective `kind`, whose result shape `shape(in_shape, **params)` gives.
+
+    The result has the input's dtype, or ``params["recv_dtype"]`` where the call names one.
+    """
     primitive = Primitive(f"mpitensor_{kind}")
     primitive.def_impl(functools.partial(xla.apply_primitive, primitive))
 
     def abstract(x: Any, **params: Any) -> tuple[Any, set[Any]]:
-        result = jax.core.ShapedArray(shape(x.shape, **params), _result_dtype(kind, x.dtype, params))
+        dtype = np.dtype(params.get("recv_dtype", x.dtype))
+        result = jax.core.ShapedArray(shape(x.shape, **params), _result_dtype(kind, dtype, params))
         return result, set() if params.get("adjoint") else {COLLECTIVE}
 
     primitive.def_effectful_abstract_eval(abstract)

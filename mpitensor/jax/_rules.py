@@ -13,6 +13,8 @@ The rules, per collective (each rank differentiates its own program):
   its own.
 - ``reduce`` (sum): the root gets the sum, the others keep their input; the transpose is a
   broadcast of the root's cotangent, plus the rank's own cotangent off the root.
+- ``sendrecv``: the cotangent of what came from `source` goes back to it (a sendrecv with
+  source and dest swapped).
 
 Every collective is linear in its input (for the ops above), so its JVP is the collective
 of the tangent. vmap runs one collective on the whole batch: element-wise collectives keep
@@ -80,6 +82,17 @@ def first_axis_batching(primitive: Primitive) -> None:
         if x.ndim == 1:  # a batch of 0-d inputs: each counts as one element along axis 0
             return primitive.bind(x[None, :], **params), 1
         return primitive.bind(jnp.moveaxis(x, dims[0], 1), **params), 1
+
+    batching.primitive_batchers[primitive] = rule
+
+
+def received_batching(primitive: Primitive) -> None:
+    """Batching (vmap) of a point-to-point exchange: one message of the batch, its receive shape batched too."""
+
+    def rule(args: Any, dims: Any, **params: Any) -> tuple[Any, Any]:
+        x = jnp.moveaxis(args[0], dims[0], 0)
+        params["recv_shape"] = (x.shape[0], *params["recv_shape"])
+        return primitive.bind(x, **params), 0
 
     batching.primitive_batchers[primitive] = rule
 

@@ -72,6 +72,38 @@ def _reduce(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None
         out[...] = source
 
 
+def _gather(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    # Stacked on the root (each rank's array one row of a new first axis); the input elsewhere.
+    gathered = mt.gather(source[None], params["root"], devices=params["devices"]).resolve()
+    np.copyto(out, source if gathered is None else gathered)
+
+
+def _scatter(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    root, devices = params["root"], params["devices"]
+    if mt.current_context().rank == root:
+        block = mt.scatter(source, root, devices=devices).resolve()
+    else:
+        size = len(devices) if devices is not None else mt.current_context().size
+        block = mt.scatter(None, root, shape=(size, *out.shape), dtype=out.dtype, devices=devices).resolve()
+    np.copyto(out, np.reshape(block, out.shape))
+
+
+def _scan(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    start = mt.exscan if params["exclusive"] else mt.scan
+    np.copyto(out, start(source, params["op"], devices=params["devices"]).resolve())
+
+
+def _barrier(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    mt.barrier(params["devices"])
+    np.copyto(out, source)
+
+
+def _sendrecv(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    sent = mt.send(source, params["dest"], tag=params["tag"])
+    mt.recv(source=params["source"], shape=out.shape, dtype=out.dtype, tag=params["tag"], out=out).resolve()
+    sent.resolve()
+
+
 _STARTS = {
     "all_reduce": _all_reduce,
     "broadcast": _broadcast,
@@ -79,4 +111,9 @@ _STARTS = {
     "reduce_scatter": _reduce_scatter,
     "all_to_all": _all_to_all,
     "reduce": _reduce,
+    "gather": _gather,
+    "scatter": _scatter,
+    "scan": _scan,
+    "barrier": _barrier,
+    "sendrecv": _sendrecv,
 }

@@ -292,3 +292,178 @@ def test_allreduce_ops_jit(op):
     stacked = np.stack([np.arange(6.0).reshape(3, 2) + r for r in range(_size())])
     expected = {"sum": stacked.sum(0), "max": stacked.max(0), "min": stacked.min(0), "prod": stacked.prod(0)}[op]
     np.testing.assert_array_equal(jax.jit(partial(mtj.all_reduce, op=op))(arr), expected)
+
+
+# gather
+
+
+def _gathered_or_own(res, arr, rows):
+    if _rank() == 0:
+        for p in range(_size()):
+            assert jnp.array_equal(res[p], rows(p))
+    else:
+        assert jnp.array_equal(res, arr)
+
+
+def test_gather():
+    arr = jnp.ones((3, 2)) * _rank()
+    _gathered_or_own(mtj.gather(arr, root=0), arr, lambda p: jnp.ones((3, 2)) * p)
+
+
+def test_gather_jit():
+    arr = jnp.ones((3, 2)) * _rank()
+    _gathered_or_own(jax.jit(lambda x: mtj.gather(x, root=0))(arr), arr, lambda p: jnp.ones((3, 2)) * p)
+
+
+def test_gather_scalar():
+    res = mtj.gather(_rank(), root=0)
+    if _rank() == 0:
+        assert jnp.array_equal(res, jnp.arange(_size()))
+    else:
+        assert jnp.array_equal(res, _rank())
+
+
+def test_gather_scalar_jit():
+    res = jax.jit(lambda x: mtj.gather(x, root=0))(_rank())
+    if _rank() == 0:
+        assert jnp.array_equal(res, jnp.arange(_size()))
+    else:
+        assert jnp.array_equal(res, _rank())
+
+
+# scatter
+
+
+def _scatter_input():
+    if _rank() == 0:
+        return jnp.stack([jnp.ones((3, 2)) * r for r in range(_size())], axis=0)
+    return jnp.ones((3, 2)) * _rank()
+
+
+def test_scatter():
+    assert jnp.array_equal(mtj.scatter(_scatter_input(), root=0), jnp.ones((3, 2)) * _rank())
+
+
+def test_scatter_jit():
+    res = jax.jit(lambda x: mtj.scatter(x, root=0))(_scatter_input())
+    assert jnp.array_equal(res, jnp.ones((3, 2)) * _rank())
+
+
+def test_scatter_wrong_size():
+    if _rank() != 0:
+        pytest.skip("only the root's input has the extra axis")
+    with pytest.raises(ValueError, match="one row per rank along its first axis"):
+        mtj.scatter(jnp.ones((_size() + 1,)) * _rank(), root=0)
+
+
+# scan
+
+
+def test_scan():
+    res = mtj.scan(jnp.ones((3, 2)) * _rank(), "sum")
+    assert jnp.array_equal(res, jnp.ones((3, 2)) * sum(range(_rank() + 1)))
+
+
+def test_scan_jit():
+    res = jax.jit(lambda x: mtj.scan(x, "sum"))(jnp.ones((3, 2)) * _rank())
+    assert jnp.array_equal(res, jnp.ones((3, 2)) * sum(range(_rank() + 1)))
+
+
+def test_scan_scalar():
+    assert jnp.array_equal(mtj.scan(_rank(), "sum"), sum(range(_rank() + 1)))
+
+
+def test_scan_scalar_jit():
+    assert jnp.array_equal(jax.jit(lambda x: mtj.scan(x, "sum"))(_rank()), sum(range(_rank() + 1)))
+
+
+# barrier: no rank leaves before the last one arrived
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_barrier(compiled):
+    import time
+
+    import mpitensor as mt
+
+    wait = jax.jit(lambda: mtj.barrier()) if compiled else mtj.barrier
+    wait()
+    time.sleep(_rank() * 0.2)
+    arrived = time.time()
+    wait()
+    left = time.time()
+    moments = mt.all_gather_object((arrived, left)).resolve()
+    assert min(left for _, left in moments) >= max(arrived for arrived, _ in moments)
+
+
+# sendrecv, on a ring (mpi4jax's exchange between ranks 0 and 1 is the ring of two)
+
+
+def _ring():
+    return (_rank() - 1) % _size(), (_rank() + 1) % _size()
+
+
+def test_sendrecv():
+    source, dest = _ring()
+    arr = jnp.ones((3, 2)) * _rank()
+    res = mtj.sendrecv(arr, arr, source=source, dest=dest)
+    assert jnp.array_equal(res, jnp.ones_like(arr) * source)
+
+
+def test_sendrecv_scalar_jit():
+    source, dest = _ring()
+    res = jax.jit(lambda x: mtj.sendrecv(x, x, source=source, dest=dest))(_rank() * 1.0)
+    assert jnp.array_equal(res, source)
+
+
+def test_sendrecv_jit():
+    source, dest = _ring()
+    arr = jnp.ones((3, 2)) * _rank()
+    res = jax.jit(lambda x: mtj.sendrecv(x, x, source=source, dest=dest))(arr)
+    assert jnp.array_equal(res, jnp.ones_like(arr) * source)
+
+
+def test_sendrecv_vmap():
+    source, dest = _ring()
+    arr = jnp.ones((3, 2)) * _rank()
+    res = jax.vmap(lambda x, y: mtj.sendrecv(x, y, source=source, dest=dest), in_axes=(0, 0))(arr, arr)
+    assert jnp.array_equal(res, jnp.ones_like(arr) * source)
+
+
+def test_sendrecv_grad():
+    source, dest = _ring()
+    arr = jnp.ones((3, 2)) * (_rank() + 1)
+
+    def f(x):
+        return (mtj.sendrecv(x, x, source=source, dest=dest) * (_rank() + 1)).sum()
+
+    # This rank's input is what `dest` received, weighed there by dest + 1.
+    assert jnp.array_equal(jax.grad(f)(arr), jnp.ones_like(arr) * (dest + 1))
+
+
+def test_sendrecv_grad_2():
+    source, dest = _ring()
+    arr = jnp.ones((3, 2)) * (_rank() + 1)
+
+    def f(x):
+        x = mtj.sendrecv(x, x, source=source, dest=dest) * (_rank() + 1) * 5
+        x = mtj.sendrecv(x, x, source=source, dest=dest)
+        return (x * (_rank() + 1) ** 2).sum()
+
+    # Two hops: weighed by (dest + 1) * 5 one rank on, by (dest2 + 1) ** 2 two ranks on.
+    dest2 = (dest + 1) % _size()
+    assert jnp.array_equal(jax.jit(jax.grad(f))(arr), jnp.ones_like(arr) * (dest + 1) * 5 * (dest2 + 1) ** 2)
+
+
+def test_sendrecv_jacfwd_and_jacrev():
+    source, dest = _ring()
+    arr = jnp.ones((3, 2)) * (_rank() + 1)
+
+    def f(x):
+        return (mtj.sendrecv(x, x, source=source, dest=dest) * (_rank() + 1)).sum()
+
+    assert jnp.array_equal(jax.jacrev(f)(arr), jnp.ones_like(arr) * (dest + 1))
+    # Forward mode (mpi4jax raises here): every rank pushes the same direction through its
+    # input; the tangent travels with the data, so this rank's output moves with what
+    # `source` sent, weighed here by rank + 1.
+    assert jnp.array_equal(jax.jacfwd(f)(arr), jnp.ones_like(arr) * (_rank() + 1))
