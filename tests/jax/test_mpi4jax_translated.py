@@ -386,7 +386,7 @@ def test_barrier(compiled):
 
     import mpitensor as mt
 
-    wait = jax.jit(lambda: mtj.barrier()) if compiled else mtj.barrier
+    wait = jax.jit(mtj.barrier) if compiled else mtj.barrier
     wait()
     time.sleep(_rank() * 0.2)
     arrived = time.time()
