@@ -41,5 +41,18 @@ if [ "$mpi" = system ]; then
 else
   "${pip[@]}" install -e "$root[$mpi,$extras]"
 fi
+# mpi4jax, for the tests of mpitensor beside it, where this MPI has mpicc (Intel MPI's runtime
+# wheel has none; those tests then skip): built from source against this venv's MPI, never
+# from a wheel built for another. PATH keeps the venv and the system's compilers only, as an
+# nvcc found elsewhere makes its build look for CUDA headers.
+if [[ ",$extras," == *",test,"* && -x "$venv/bin/mpicc" ]]; then
+  if ! PATH="$venv/bin:/usr/bin:/bin" "${pip[@]}" install --no-cache-dir nanobind==3.1.0 ||
+     ! PATH="$venv/bin:/usr/bin:/bin" "${pip[@]}" install --no-cache-dir --no-binary=mpi4jax \
+       --no-build-isolation mpi4jax==0.9.1.post2 ||
+     ! "$venv/bin/python" -c "import mpi4jax" >/dev/null 2>&1; then
+    "${pip[@]}" uninstall -y mpi4jax >/dev/null 2>&1 || true
+    echo "make-venv.sh: mpi4jax could not be built here; the tests beside it will skip"
+  fi
+fi
 echo "$want" > "$stamp"
 echo "make-venv.sh: $venv ready ($mpi)"

@@ -8,6 +8,7 @@ sum is compared with the one computed from every rank's input.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import pytest
@@ -124,3 +125,48 @@ def test_the_readme_example_runs_after_mpi4py(tmp_path):
     assert result.reported("done") == ["done False"] * 2
     assert "[2.5 2.5 2.5 2.5]" not in result.stdout  # 4 ranks' figure; on 2 ranks the mean is 1.5
     assert "[1.5 1.5 1.5 1.5]" in result.stdout, result.output
+
+
+MPI4JAX_ORDERS = {
+    "mpitensor and mpi4jax imported, mpi4jax called before any context": """
+        import numpy as np
+        import jax, jax.numpy as jnp
+        import mpitensor as mt
+        import mpi4jax
+        from mpi4py import MPI
+        x = jnp.full(2, MPI.COMM_WORLD.Get_rank() + 1.0)
+        report("raw before", mpi4jax.allreduce(x, op=MPI.SUM).tolist())
+        with mt.DistributedContext.init() as ctx:
+            import mpitensor.jax as mtj
+            report("context", jax.jit(mtj.all_reduce)(x).tolist())
+        report("raw after", jax.jit(lambda v: mpi4jax.allreduce(v, op=MPI.SUM))(x).tolist(), MPI.Is_finalized())
+        """,
+    "mpi4jax and mpitensor.jax alternating inside one context": """
+        import numpy as np
+        import jax, jax.numpy as jnp
+        import mpi4jax
+        import mpitensor as mt
+        import mpitensor.jax as mtj
+        from mpi4py import MPI
+        with mt.DistributedContext.init() as ctx:
+            x = jnp.full(2, ctx.rank + 1.0)
+            theirs = jax.jit(lambda v: mpi4jax.allreduce(v, op=MPI.SUM))
+            ours = jax.jit(mtj.all_reduce)
+            report("raw before", theirs(x).tolist())
+            report("context", ours(theirs(x) / 2).tolist())
+        report("raw after", theirs(x).tolist(), MPI.Is_finalized())
+        """,
+}
+
+
+@pytest.mark.parametrize("order", list(MPI4JAX_ORDERS))
+def test_mpi4jax_works_beside_mpitensor(tmp_path, order):
+    pytest.importorskip("jax")
+    # Looked up, not imported: importing mpi4jax would initialize MPI in this process.
+    if importlib.util.find_spec("mpi4jax") is None:
+        pytest.skip("mpi4jax is not installed (make-venv.sh builds it where the MPI has mpicc)")
+    result = run_job(MPI4JAX_ORDERS[order], 2, timeout=120, tmp_path=tmp_path)
+    assert result.returncode == 0, result.output
+    assert result.reported("raw before") == ["raw before [3.0, 3.0]"] * 2, result.output
+    assert result.reported("context") == ["context [3.0, 3.0]"] * 2, result.output
+    assert result.reported("raw after") == ["raw after [3.0, 3.0] False"] * 2, result.output
