@@ -29,9 +29,9 @@ class DataParallel(torch.nn.Module):
         module: the model (its parameters on the CPU); every rank builds the same one.
         bucket_bytes: the size of a gradient bucket; None for the context's
             ``config.bucket_bytes`` (25 MiB). The first bucket holds at most 1 MiB, as DDP's.
-        find_unused_parameters: parameters that get no gradient in a backward are
-            expected: what they hold goes into the average (zeros for none), and those no
-            rank used keep their gradient untouched. Costs one small all-reduce per step.
+        find_unused_parameters: accepted for DDP's sake and not needed: a parameter that
+            gets no gradient on a rank always contributes what it holds (zeros for none),
+            and one no rank used keeps its gradient untouched (None stays None).
         broadcast_buffers: copy rank 0's buffers (BatchNorm statistics, ...) to every rank
             before each forward.
 
@@ -58,8 +58,7 @@ class DataParallel(torch.nn.Module):
         broadcast_tensors([*module.parameters(), *module.buffers()], root=0)
         self._ranks = ctx.size
         self._reducer = (
-            Reducer([name for name, _ in named], [param for _, param in named],
-                    bucket_bytes or ctx.config.bucket_bytes, find_unused_parameters)
+            Reducer([name for name, _ in named], [param for _, param in named], bucket_bytes or ctx.config.bucket_bytes)
             if named else None
         )
 

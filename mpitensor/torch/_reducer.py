@@ -7,7 +7,8 @@ accumulates into the bucket and a ready bucket is all-reduced without packing. A
 starts the moment its last gradient is accumulated, in bucket order on every rank (a
 bucket that is ready early waits for the ones before it, so the ranks' MPI calls match).
 At the end of backward the reducer waits for the buckets and copies the averages back
-into the same buffers.
+into the same buffers. A parameter that got no gradient on a rank contributes zeros there
+(Horovod's rule), so ranks that differ in the parameters they use still make the same calls.
 """
 
 from __future__ import annotations
@@ -74,21 +75,22 @@ class Reducer:
         names: the parameters' names, for messages.
         params: the parameters that require grad, in registration order.
         bucket_bytes: the bucket size in bytes.
-        find_unused: treat parameters without a gradient as unused instead of an error.
     """
 
-    def __init__(self, names: list[str], params: list[torch.Tensor], bucket_bytes: int, find_unused: bool) -> None:
+    def __init__(self, names: list[str], params: list[torch.Tensor], bucket_bytes: int) -> None:
         ranks = mt.current_context().size
         self.scale = 1.0 / ranks
         self.names = names
         self.params = params
-        self.find_unused = find_unused
         self.sync = True
         self.buckets = plan(params, bucket_bytes, min(FIRST_BUCKET_BYTES, bucket_bytes))
         self.views: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         self.where: list[int] = [0] * len(params)  # each parameter's bucket
         for number, bucket in enumerate(self.buckets):
-            self._place(bucket, *flat_buffer(bucket.elements, bucket.dtype))
+            # The last bucket carries one more element, the "some rank had a parameter
+            # without gradient" flag: it travels in an all-reduce made anyway.
+            flag = 1 if number == len(self.buckets) - 1 else 0
+            self._place(bucket, *flat_buffer(bucket.elements + flag, bucket.dtype))
             bucket.prescale = ranks > 1 and bucket.dtype in (torch.float32, torch.float64)
             for index in bucket.members:
                 self.where[index] = number
@@ -109,6 +111,7 @@ class Reducer:
 
     def _reset(self) -> None:
         self.ready = [False] * len(self.params)
+        self.buckets[-1].flat[-1] = 0  # the flag: lowered for the next backward
         for bucket in self.buckets:
             bucket.pending = len(bucket.members)
             bucket.handle = None
@@ -173,21 +176,22 @@ class Reducer:
     def finish(self) -> None:
         """At the end of backward: complete every bucket and write the averages back.
 
-        Raises:
-            RuntimeError: some parameters got no gradient and unused parameters are not
-                expected (every rank that agrees on them raises the same).
+        A parameter without gradient here contributes what it holds (zeros for none),
+        and raises the flag in the last bucket. Only where some rank raised it does one
+        more small all-reduce find the parameters no rank used, which keep their
+        gradient as it was; so the ranks agree with no extra message in the common case.
         """
         try:
             missing = [index for index, ready in enumerate(self.ready) if not ready]
-            if missing and not self.find_unused:
-                self._drain()
-                raise RuntimeError(_unused_message([self.names[i] for i in missing]))
-            everywhere = None
-            if self.find_unused:  # every rank, so that the ranks' calls match
+            if missing:
+                self.buckets[-1].flat[-1] = 1  # before the last bucket starts: it waits for these
                 self._mark_unused(missing)
+            averages = [bucket.handle.resolve().numpy() for bucket in self.buckets]
+            everywhere = None
+            if averages[-1][-1] != 0:
                 everywhere = mt.all_reduce(self.used, mt.ReduceOperation.MAX).resolve().numpy()
-            for bucket in self.buckets:
-                self._write_back(bucket, bucket.handle.resolve().numpy(), everywhere)
+            for bucket, average in zip(self.buckets, averages):
+                self._write_back(bucket, average, everywhere)
             self.used[:] = 0
         finally:
             self._reset()
@@ -229,12 +233,6 @@ class Reducer:
             if param.grad is not self.views[index]:
                 param.grad = self.views[index]
 
-    def _drain(self) -> None:
-        """Wait for the buckets already started (before raising, so none is left behind)."""
-        for bucket in self.buckets:
-            if bucket.handle is not None:
-                bucket.handle.resolve()
-
 
 def _hook(reducer: weakref.ref[Reducer], index: int) -> Callable[[torch.Tensor], None]:
     def hook(param: torch.Tensor) -> None:
@@ -248,12 +246,3 @@ def _hook(reducer: weakref.ref[Reducer], index: int) -> Callable[[torch.Tensor],
 def _remove(hooks: list[Any]) -> None:
     for handle in hooks:
         handle.remove()
-
-
-def _unused_message(names: list[str]) -> str:
-    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-    return (
-        f"DataParallel: these parameters got no gradient in this backward: {shown}. Pass "
-        "DataParallel(..., find_unused_parameters=True) if some parameters are legitimately unused "
-        "(or set requires_grad=False on parameters that never train)"
-    )

@@ -1,0 +1,111 @@
+"""mpitensor.torch.DataParallel beside torch DDP on gloo, case by case: every rank's gradients compared."""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import mpitensor as mt
+
+torch = pytest.importorskip("torch")
+from mpitensor.torch import DataParallel  # noqa: E402 - after the skip when torch is missing
+from tests.integrations.torch_gloo import gloo_store, leave_gloo  # noqa: E402
+
+pytestmark = pytest.mark.mpi(min_size=1)
+Grads = list[list[Any]]  # per step, each parameter's gradient (None where it has none)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread per rank: several ranks share the machine's cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def beside_gloo(ctx: mt.DistributedContext, run: Callable[[], Any]) -> Any:
+    """Run `run` inside a gloo process group, and end the group whatever happens.
+
+    DDP lives only in `run`: its result holds no DDP, and a failure's frames are cleared,
+    so that DDP is gone before `leave_gloo`.
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", store=gloo_store(dist, ctx, timeout), rank=ctx.rank, world_size=ctx.size,
+                            timeout=timeout)
+    try:
+        return run()
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)
+        raise
+    finally:
+        mt.barrier()  # no rank tears its connections down while another still reads from them
+        leave_gloo(dist)
+
+
+def grads_of(model: torch.nn.Module) -> list[Any]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def assert_like_ddp(ctx: mt.DistributedContext, ddp: Grads, ours: Grads, names: list[str], record: Any,
+                    atol: float = 1e-15) -> float:
+    """Each step's gradients on this rank equal DDP's; records and returns the largest difference."""
+    assert len(ours) == len(ddp), f"rank {ctx.rank}: {len(ours)} steps against DDP's {len(ddp)}"
+    worst = 0.0
+    for step, (theirs, mine) in enumerate(zip(ddp, ours)):
+        for name, a, b in zip(names, theirs, mine):
+            where = f"rank {ctx.rank}, step {step}, {name}.grad"
+            assert (a is None) == (b is None), f"{where}: DDP's is {a}, DataParallel's is {b}"
+            if a is not None:
+                worst = max(worst, (a - b).abs().max().item())
+                torch.testing.assert_close(b, a, rtol=1e-13, atol=atol, msg=where)
+    record("max_grad_difference_to_ddp", worst)
+    return worst
+
+
+class Branchy(torch.nn.Module):
+    """`extra` is used by even ranks only, `never` by no rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = torch.nn.Linear(6, 5, dtype=torch.float64)
+        self.extra = torch.nn.Linear(5, 5, dtype=torch.float64)
+        self.never = torch.nn.Linear(5, 5, dtype=torch.float64)
+        self.head = torch.nn.Linear(5, 2, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return self.head(torch.tanh(self.extra(h)) if use_extra else h)
+
+
+def inputs(step: int, rank: int, rows: int = 4, cols: int = 6) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(100 * step + rank), dtype=torch.float64)
+
+
+def test_parameters_some_ranks_leave_unused_need_no_flag(ctx, record_property):
+    """DDP needs find_unused_parameters=True for this; DataParallel gives the same gradients without it."""
+
+    def train(model: torch.nn.Module) -> Grads:
+        opt, steps = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(inputs(step, ctx.rank), ctx.rank % 2 == 0).square().sum().backward()
+            steps.append(grads_of(model))
+            opt.step()
+        return steps
+
+    def run() -> tuple[Grads, Grads]:
+        ddp = torch.nn.parallel.DistributedDataParallel(Branchy(), find_unused_parameters=True)
+        return train(ddp), train(DataParallel(Branchy(), bucket_bytes=128))
+
+    ddp, ours = beside_gloo(ctx, run)
+    names = [name for name, _ in Branchy().named_parameters()]
+    assert_like_ddp(ctx, ddp, ours, names, record_property)
+    assert ours[0][names.index("never.weight")] is None
