@@ -123,10 +123,18 @@ class CollectiveTensor:
         return value if convert is None else convert.back(value)
 
     def test(self) -> bool:
-        """Advance communication without blocking; True once the result is ready."""
+        """Advance communication without blocking; True once the result is ready.
+
+        Raises:
+            ThreadMisuseError: called from a signal handler that interrupted this thread
+                inside the engine (nothing is changed).
+        """
         op = self._op
         if op.state < COMPLETE and not self._ctx.closed:
-            self._ctx.engine.progress()
+            engine = self._ctx.engine
+            if engine.lock_held_here():
+                raise engine.reentered("test()")
+            engine.progress()
         return op.state >= COMPLETE
 
     @property

@@ -15,6 +15,7 @@ holds its `CollectiveTensor`; that is what makes dropping a handle safe.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import struct
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .._core.errors import CollectiveTimeoutError, ContextBrokenError
+from .._core.errors import CollectiveTimeoutError, ContextBrokenError, ThreadMisuseError
 from .._core.mpi import MPI
 from .._transport.base import Stepper
 from .._transport.inline import CARRIED, HEADER_BYTES, INLINE_RANKS, PAYLOAD_BYTES, ROW_BYTES
@@ -295,6 +296,9 @@ class Engine:
     def __init__(self, ctx: Owner) -> None:
         self.ctx = ctx
         self.lock = threading.RLock()
+        # Whether this thread holds the lock: only a signal handler (or a finalizer) that
+        # interrupted the engine's own bookkeeping can call back in while it does.
+        self._owned = self.lock._is_owned
         self.posted: list[Op] = []  # ops whose data is in flight
         self.waiting_groups: set[Group] = set()  # groups with a non-empty queue
         self.stepping = 0  # posted ops driven by steps rather than by MPI alone
@@ -312,10 +316,14 @@ class Engine:
 
         Raises:
             CollectiveMismatchError: the check completed within the grace and disagreed.
+            ThreadMisuseError: called from a signal handler that interrupted the engine
+                (`reentered`); nothing is posted.
         """
         ctx = self.ctx
         if not ctx.usable:
             ctx.ensure_usable()
+        if self._owned():
+            raise self.reentered(op.name)
         group = op.group
         lock = self.lock
         # acquire/release rather than `with`: half the cost, on the path of every call.
@@ -335,30 +343,49 @@ class Engine:
             return
         self._await_check(op, grace, spun)
 
-    def queue_checked(self, op: Op, spun: bool) -> None:
-        """Take an op whose check this rank posted outside `submit`, and go on as `submit` does.
+    def await_queued_check(self, op: Op, spun: bool) -> None:
+        """Go on as `submit` does with an op whose check and queueing were done outside it.
 
         The compiled lane posts the check of a checked all-reduce of up to 64 KiB itself,
         as `_post_check` does (the op in state CHECKING, with its ``seq``, ``check_send``,
-        ``check_recv``, ``check_req`` and ``check_stage``), on an idle group, and spins on
-        it; when the rows did not all agree within that spin, the op comes here: it is
-        queued, and the call waits for its check within the grace, as any other (its data
-        is posted by ``op.post`` once the check agrees).
+        ``check_recv``, ``check_req``, ``check_stage`` and ``post``), on an idle group, and
+        spins on it; when the rows did not all agree within that spin, it queues the op as
+        `_queue` does (at the head of the group's queue, the group waiting), under the same
+        hold of the lock, so that no signal handler can run between the check and its op.
+        The call then comes here and waits for its check within the grace, as any other
+        (its data is posted by ``op.post`` once the check agrees).
 
         Args:
-            op: the op, its check posted.
+            op: the op, its check posted and the op queued.
             spun: whether the call has spun on the check already.
 
         Raises:
             CollectiveMismatchError: the check completed within the grace and disagreed.
             ContextBrokenError: MPI failed while the queue was pumped.
         """
-        with self.lock:
-            try:
-                self._queue(op)
-            except MPI.Exception as exc:
-                raise self.mpi_failed(exc, op) from exc
         self._await_check(op, None, spun)
+
+    def lock_held_here(self) -> bool:
+        """Whether this thread holds the engine's lock (then only `reentered` calls come in)."""
+        return self._owned()
+
+    def reentered(self, what: str) -> ThreadMisuseError:
+        """The error of `what` (a collective, ``resolve()``...) called while this thread is inside the engine.
+
+        The engine's lock is reentrant, for the engine's own nested calls; a call from
+        outside that finds it held by its own thread comes from a signal handler (or a
+        finalizer) that interrupted the engine halfway through posting or completing an
+        op. Let in, it would change the engine's state under the interrupted code (an op
+        posted but not yet registered, a list of posted ops being rebuilt), which ends in
+        a hang or a wait that times out inside some op's data; so it is refused, and
+        nothing is changed.
+        """
+        return ThreadMisuseError(
+            f"{what} was called while this thread was inside mpitensor's engine (posting or "
+            "completing a collective), from a signal handler or finalizer that interrupted it: "
+            "collectives, resolve() and test() may not be re-entered from there. Set a flag in the "
+            "handler and act on it after the interrupted call returns"
+        )
 
     def _await_check(self, op: Op, grace: float | None, spun: bool) -> None:
         """Wait up to the grace for a queued op's check; raise its error if it failed."""
@@ -809,13 +836,19 @@ class Engine:
         Raises:
             CollectiveTimeoutError: `timeout` seconds passed first (the context is then
                 broken).
+            ThreadMisuseError: called from a signal handler that interrupted the engine
+                (`reentered`); nothing is changed.
+            KeyboardInterrupt: (or whatever a signal handler raises) the wait was
+                interrupted; `op` is still tracked, and a later wait goes on with it.
             The op's error, if it failed.
         """
         if op.state < COMPLETE:
+            if self._owned():
+                raise self.reentered("resolve()")
             if op.state == POSTED and timeout is None and not self.waiting_groups and not self.stepping:
                 # Nothing is queued anywhere and no step-driven op is in flight, so no peer
-                # waits for this rank to post or to step: a blocking wait inside MPI (which
-                # progresses every MPI request) is safe, and the fastest.
+                # waits for this rank to post or to step: waiting on the op's requests alone
+                # (testing them progresses every MPI request) is safe, and the fastest.
                 lock = self.lock
                 lock.acquire()  # as in submit
                 try:
@@ -830,16 +863,28 @@ class Engine:
             raise op.error
 
     def _wait_posted_op(self, op: Op) -> None:
-        """Block inside MPI until posted `op` is done, and complete it (call with the lock held)."""
+        """Wait inside MPI until posted `op` is done, and complete it (call with the lock held).
+
+        The requests are tested in a loop, not given to a blocking ``MPI_Wait``: one would
+        hold Ctrl-C (and every other signal's Python handler) until the peers arrive.
+        Between two tests Python runs the handlers; an exception one raises
+        (``KeyboardInterrupt``) ends the wait with the op still posted and tracked, and a
+        later `resolve()` waits for it again. (A request that has completed tests True
+        again, so an interrupt after the last test leaves the op as resolvable.)
+        """
         requests = op.requests
         try:
-            if len(requests) == 1:
-                requests[0].Wait()
-            else:
-                MPI.Request.Waitall(requests)
+            test = requests[0].Test if len(requests) == 1 else functools.partial(MPI.Request.Testall, requests)
+            if not test():
+                backoff = Backoff(self.spin_pauses)
+                while not test():
+                    backoff.pause()
         except MPI.Exception as exc:
             raise self.mpi_failed(exc, op) from exc
-        self.posted.remove(op)
+        try:
+            self.posted.remove(op)
+        except ValueError:  # an interrupt landed after this line, in an earlier wait for it
+            pass
         if op.finish is None and not op.protections:
             # What _complete does for the plain case, inlined: this is the end of every
             # small all-reduce.
@@ -852,6 +897,8 @@ class Engine:
     def wait_posted(self, op: Op, timeout: float | None) -> None:
         """Block until `op`'s data is posted (or it completed or failed)."""
         if op.state < POSTED:
+            if self._owned():
+                raise self.reentered("assume_resolved()")
             self._poll_until(lambda: op.state >= POSTED, timeout, op)
 
     def _wait_check(self, op: Op, grace: float, spun: bool = False) -> None:
@@ -891,7 +938,10 @@ class Engine:
 
         Raises:
             CollectiveTimeoutError: `timeout` passed first.
+            ThreadMisuseError: called from a signal handler that interrupted the engine.
         """
+        if self._owned():
+            raise self.reentered("close()")
         self._poll_until(lambda: not self.busy(), timeout, None)
 
     def _poll_until(self, done: Callable[[], bool], timeout: float | None, op: Op | None) -> None:

@@ -56,6 +56,10 @@ def collective_entry(kind: str) -> Callable[[F], F]:
             if threading.get_ident() != ctx.owner_thread:
                 raise _thread_error(kind, ctx)
             engine = ctx.engine
+            if engine.lock_held_here():
+                # A signal handler that interrupted this thread inside the engine: even a
+                # failed turn would post a check in the middle of the interrupted call.
+                raise engine.reentered(kind)
             posted = engine.checks_posted
             try:
                 return function(*args, **kwargs)

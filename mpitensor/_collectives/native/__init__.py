@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -229,15 +228,7 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
         divide=plan.divide, record=record, value=0 if record is None else record.check_value(),
         per_rank=CARRIED if checked else 0 if record is None else record.per_rank, rows=rows,
         spins=lane.ctx.engine.check_spins(),
-        queued_post=partial(_carried_post if checked else _copy_post, group.comm, plan), done_op=done,
+        queued_post=(reduce_carried if checked else in_place, group.comm, plan), done_op=done,
     )
 
 
-def _carried_post(comm: Any, plan: Any, out: np.ndarray, payload: bytes) -> Callable[..., list[Any]]:
-    """The post of a compiled carried call whose check the engine takes: `reduce_carried` into `out`."""
-    return partial(reduce_carried, comm, out, payload, plan)
-
-
-def _copy_post(comm: Any, plan: Any, buffer: np.ndarray, payload: None) -> Callable[[], list[Any]]:
-    """The post of a compiled checked copy whose check the engine takes: MPI in place on `buffer`."""
-    return partial(in_place, comm, buffer, plan)

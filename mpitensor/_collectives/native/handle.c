@@ -4,13 +4,22 @@
  * queued on any group and no stepped op is in flight (so no peer waits for this rank to
  * post or step): wait inside MPI, take the op out of the engine's posted ops, run its
  * finish, and mark it complete, under the engine's lock. The request is tested a few times
- * first; if it is still in flight, MPI_Wait blocks with the GIL released where the context
+ * first; if it is still in flight, it is tested with the GIL released where the context
  * has no timeout, and where it has one the Python resolve takes over (it waits with the
  * timeout, the diagnosis and the progress of other groups). Every other case (a timeout
  * argument, an op completed, failed or still checking, protections from `assume_resolved`,
- * a closed context, a value settled later) is the Python resolve's from the start.
+ * a closed context, a value settled later, a call from a signal handler that interrupted
+ * the engine) is the Python resolve's from the start.
+ *
+ * The wait is not one blocking MPI_Wait, which would hold Ctrl-C until the peers arrive:
+ * every SLICE_NS the engine's lock is let go and Python runs the handlers of the signals
+ * that came meanwhile. One that raises (KeyboardInterrupt) ends resolve() with that error,
+ * the op still posted and tracked by the engine: a later resolve() waits for it again.
  */
 #include "native.h"
+
+#include <sched.h>
+#include <time.h>
 
 /* Tests before waiting in MPI_Wait (or handing over to the Python resolve): a few microseconds
  * where each rank has a core (a small message usually completes meanwhile, and MPI_Wait then
@@ -19,6 +28,9 @@
  * 14.6 us for 8 bytes). */
 #define SPINS 64
 #define OVERSUBSCRIBED_SPINS 1
+/* The longest stretch of a wait without a look at the signals that came: Ctrl-C ends it
+ * within about this long. Where ranks outnumber cores, the core is yielded between tests. */
+#define SLICE_NS 1000000LL
 
 static PyObject *general(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *call[3] = {NULL, self, NULL};
@@ -46,10 +58,12 @@ static int nonempty(PyObject *object, PyObject *attribute) {
     return truth;
 }
 
+/* Take `op` out of the engine's posted ops; 0 also where it is not there (a Python wait that
+ * was interrupted after taking it out), -1 on error. */
 static int remove_posted(PyObject *engine, PyObject *op) {
     PyObject *posted = PyObject_GetAttr(engine, names.posted);
     if (posted == NULL) return -1;
-    int found = -1;
+    int found = 0;
     if (PyList_Check(posted))
         for (Py_ssize_t i = PyList_GET_SIZE(posted) - 1; i >= 0; i--)
             if (PyList_GET_ITEM(posted, i) == op) {
@@ -57,7 +71,6 @@ static int remove_posted(PyObject *engine, PyObject *op) {
                 break;
             }
     Py_DECREF(posted);
-    if (found == -1 && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a posted op was not in the engine");
     return found;
 }
 
@@ -83,30 +96,89 @@ static int complete(PyObject *op) {
     return 0;
 }
 
-/* Wait for the op's one request under the engine's lock; 1 done, 0 left to the Python resolve, -1 error. */
-static int wait_posted(PyObject *op, PyObject *engine, int may_block, int spins) {
+/* Test the request until it completes or SLICE_NS pass; MPI's error code (call without the GIL). */
+static int wait_slice(void *slot, int *flag, int yield) {
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        int code = mpi_test(slot, flag);
+        if (code != 0 || *flag) return code;
+        if (yield) sched_yield();
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) >= SLICE_NS) return 0;
+    }
+}
+
+/* Whether nothing but this op's request is awaited: no group's queue waits to post, no op to
+ * step (no peer then waits for this rank to post or step); 1 yes, 0 no, -1 error. */
+static int alone(PyObject *engine) {
+    int waiting = nonempty(engine, names.waiting_groups);
+    if (waiting != 0) return waiting < 0 ? -1 : 0;
+    int stepping = nonempty(engine, names.stepping);
+    return stepping < 0 ? -1 : !stepping;
+}
+
+/* Wait for the op's one request under the engine's lock; 1 done, 0 left to the Python resolve,
+ * -1 error. Between slices of the wait the lock is let go while signal handlers run; *locked
+ * says whether it is held on return (not where a handler raised, or taking it back failed). */
+static int wait_posted(PyObject *op, PyObject *engine, PyObject *acquire, PyObject *release, int may_block,
+                       int spins, int *locked) {
     PyObject *requests = SLOT(op, layout.op_requests), *protections = SLOT(op, layout.op_protections);
     if (state_of(op) != POSTED || requests == NULL || !PyList_CheckExact(requests) ||
         PyList_GET_SIZE(requests) != 1 || protections != consts.empty_tuple)
         return 0;
-    int waiting = nonempty(engine, names.waiting_groups);
-    if (waiting != 0) return waiting < 0 ? -1 : 0;
-    void *slot = mpi_request_slot(PyList_GET_ITEM(requests, 0));
-    if (slot == NULL) return -1;
-    int flag = 0, code = 0;
-    for (int spin = 0; spin < spins && !flag && code == 0; spin++) code = mpi_test(slot, &flag);
-    if (!flag && code == 0) {
-        if (!may_block) return 0;
+    int ready = alone(engine);
+    if (ready <= 0) return ready;
+    /* Both kept while the lock is let go: the op's list is compared with them afterwards. */
+    Py_INCREF(requests);
+    PyObject *request = Py_NewRef(PyList_GET_ITEM(requests, 0));
+    int result = 1, flag = 0, code = 0;
+    void *slot = mpi_request_slot(request);
+    if (slot == NULL) result = -1;
+    for (int spin = 0; result > 0 && spin < spins && !flag && code == 0; spin++) code = mpi_test(slot, &flag);
+    while (result > 0 && !flag && code == 0) {
+        if (!may_block) {
+            result = 0;
+            break;
+        }
+        int yield = spins == OVERSUBSCRIBED_SPINS;
         Py_BEGIN_ALLOW_THREADS
-        code = mpi_wait(slot);
+        code = wait_slice(slot, &flag, yield);
         Py_END_ALLOW_THREADS
+        if (flag || code != 0) break;
+        /* Python's handlers of the signals that came run here, with the engine's lock let go
+         * (the op is posted and tracked: the engine's state is whole), so that a handler may
+         * use the context. One that raises ends the wait with its error. */
+        engine_unlock(release);
+        *locked = 0;
+        if (PyErr_CheckSignals() < 0 || engine_lock(acquire) < 0) {
+            result = -1;
+            break;
+        }
+        *locked = 1;
+        /* Meanwhile a handler, the progress thread or another thread's resolve() may have
+         * completed the op, or posted calls that need this rank's progress. */
+        if (state_of(op) != POSTED || SLOT(op, layout.op_requests) != requests) result = 0;
+        else result = alone(engine);
     }
-    if (code != 0) {
+    if (result > 0 && code != 0) {
         mpi_failed(engine, code, op);
-        return -1;
+        result = -1;
     }
-    if (remove_posted(engine, op) < 0 || complete(op) < 0) return -1;
-    return 1;
+    if (result > 0 && (remove_posted(engine, op) < 0 || complete(op) < 0)) result = -1;
+    Py_DECREF(request);
+    Py_DECREF(requests);
+    return result;
+}
+
+/* Whether this thread holds the engine's lock: only a signal handler (or a finalizer) that
+ * interrupted the engine's bookkeeping calls in then; 1 yes, 0 no, -1 error. */
+int lock_held_here(PyObject *lock) {
+    PyObject *owned = PyObject_CallMethodNoArgs(lock, names._is_owned);
+    if (owned == NULL) return -1;
+    int truth = PyObject_IsTrue(owned);
+    Py_DECREF(owned);
+    return truth;
 }
 
 /* How many times to test before waiting: `SPINS`, or `OVERSUBSCRIBED_SPINS` where the engine
@@ -158,10 +230,15 @@ static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyObject *lock = PyObject_GetAttr(engine, names.lock);
         PyObject *acquire = lock == NULL ? NULL : PyObject_GetAttr(lock, names.acquire);
         PyObject *release = acquire == NULL ? NULL : PyObject_GetAttr(lock, names.release);
-        if (release != NULL && engine_lock(acquire) == 0) {
-            int spins = spins_for(engine);
-            done = wait_posted(op, engine, timeout == Py_None, spins);
-            engine_unlock(release); /* keeps wait_posted's error, if it failed */
+        /* Held by this thread: a signal handler interrupted the engine, and the Python
+         * resolve refuses it (Engine.reentered) without touching the engine. */
+        int held = release == NULL ? -1 : lock_held_here(lock);
+        if (held > 0) {
+            done = 0;
+        } else if (held == 0 && engine_lock(acquire) == 0) {
+            int spins = spins_for(engine), locked = 1;
+            done = wait_posted(op, engine, acquire, release, timeout == Py_None, spins, &locked);
+            if (locked) engine_unlock(release); /* keeps wait_posted's error, if it failed */
         }
         Py_XDECREF(lock);
         Py_XDECREF(acquire);

@@ -14,9 +14,12 @@
  *   every row agrees within the spin, the rows are reduced as `reduce_carried` does and
  *   the call completes at once.
  *
- * A check that does not agree within the spin (a late peer, or rows that differ) hands its
- * op to `Engine.queue_checked`: from there on it is the Python engine's, exactly as if
- * `Engine.submit` had posted that check.
+ * A check that does not agree within the spin (a late peer, or rows that differ) queues its
+ * op on the group as `Engine._queue` does, under the same hold of the engine's lock as the
+ * check's post, and the call goes on in `Engine.await_queued_check`: from there on the op is
+ * the Python engine's, exactly as if `Engine.submit` had posted that check. No Python code
+ * runs from the check's post to the op's place in the queue (so no signal handler, which
+ * could leave the check without its op): see `queue_op`.
  *
  * Whenever the engine is not idle for the group, or a step fails before anything is
  * posted, the call is declined (None): the Python lane, then the general path, take it.
@@ -33,8 +36,9 @@ enum { LANE_COPY = 0, LANE_CHECK = 1 };
 typedef struct {
     PyObject_HEAD
     int kind;
-    PyObject *ctx, *engine, *group, *op_key, *device, *record, *queued_post, *done_op, *nbytes_obj;
-    PyObject *acquire, *release;
+    PyObject *ctx, *engine, *group, *op_key, *device, *record, *done_op, *nbytes_obj;
+    PyObject *post_start, *post_comm, *post_plan, *partial; /* a queued op's post: partial(start, comm, out, [payload,] plan) */
+    PyObject *lock, *acquire, *release;
     PyArray_Descr *descr;
     int ndim;
     npy_intp dims[NPY_MAXDIMS];
@@ -247,31 +251,67 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
     return 1;
 }
 
-/* Make `op` an op whose check is posted and not yet agreed, and hand it to the Python engine
- * (`Engine.queue_checked`), which posts its data once the check agrees: `queued_post(out,
- * payload)` gives the post it then calls. Call without the engine's lock. */
-static int queue_checked(Lane *lane, PyObject *op, PyObject *seq, PyObject *send, PyObject *recv,
-                         PyObject *request, PyObject *out) {
+/* Make `op` an op whose check is posted and not yet agreed, and queue it on the group as
+ * `Engine._queue` does (at the head of the idle group's queue, the group waiting; its check is
+ * pumped later, by `Engine._wait_check`); the Python engine posts its data once the check
+ * agrees, through the post made here (`reduce_carried` or `in_place` on `out`). Call with the
+ * engine's lock held, right after the check's post, and with the collector off: nothing here
+ * runs Python code (slot stores of fresh values, a bytes object, functools' C partial, a
+ * deque's append and a set's add of an object hashed by identity, none of which can call out),
+ * so no signal handler or finalizer can run between the check and its op. 0, or -1 with an
+ * error set. */
+static int queue_op(Lane *lane, PyObject *op, PyObject *seq, PyObject *send, PyObject *recv, PyObject *request,
+                    PyObject *out) {
     PyObject *payload = Py_None;
     if (lane->kind == LANE_CHECK) {
         payload = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(send) + consts.header_bytes, consts.payload_bytes);
         if (payload == NULL) return -1;
     }
-    slot_set(op, layout.op_state, consts.states[CHECKING]);
-    slot_set(op, layout.op_payload, payload);
-    slot_set(op, layout.op_seq, seq);
-    slot_set(op, layout.op_check_send, send);
-    slot_set(op, layout.op_check_recv, recv);
-    slot_set(op, layout.op_check_req, request);
-    PyObject *post = PyObject_CallFunctionObjArgs(lane->queued_post, out, payload, NULL);
+    PyObject *args[5] = {lane->post_start, lane->post_comm, out, payload, lane->post_plan};
+    if (lane->kind != LANE_CHECK) args[3] = lane->post_plan;
+    PyObject *post = PyObject_Vectorcall(lane->partial, args, lane->kind == LANE_CHECK ? 5 : 4, NULL);
+    PyObject *stage = post == NULL ? NULL : PyLong_FromLong(consts.agree_stage);
+    PyObject *requests = SLOT(op, layout.op_requests);
+    int failed = stage == NULL || PyList_SetSlice(requests, 0, PyList_GET_SIZE(requests), NULL) < 0;
+    if (!failed) {
+        slot_set(op, layout.op_state, consts.states[CHECKING]);
+        slot_set(op, layout.op_payload, payload);
+        slot_set(op, layout.op_seq, seq);
+        slot_set(op, layout.op_check_send, send);
+        slot_set(op, layout.op_check_recv, recv);
+        slot_set(op, layout.op_check_req, request);
+        slot_steal(op, layout.op_post, post);
+        slot_steal(op, layout.op_check_stage, stage);
+        post = stage = NULL;
+    }
     if (payload != Py_None) Py_DECREF(payload);
-    if (slot_steal(op, layout.op_post, post) < 0 ||
-        slot_steal(op, layout.op_check_stage, PyLong_FromLong(consts.agree_stage)) < 0 ||
-        slot_steal(op, layout.op_requests, PyList_New(0)) < 0)
-        return -1;
-    PyObject *queued = PyObject_CallMethodObjArgs(lane->engine, consts.queue_checked, op, Py_True, NULL);
-    Py_XDECREF(queued);
-    return queued == NULL ? -1 : 0;
+    Py_XDECREF(post);
+    Py_XDECREF(stage);
+    if (failed) return -1;
+    PyObject *queue = PyObject_GetAttr(lane->group, names.queue);
+    PyObject *appended = queue == NULL ? NULL : PyObject_CallMethodOneArg(queue, names.append, op);
+    PyObject *waiting = appended == NULL ? NULL : PyObject_GetAttr(lane->engine, names.waiting_groups);
+    int added = waiting == NULL || !PySet_Check(waiting) ? -1 : PySet_Add(waiting, lane->group);
+    if (waiting != NULL && added < 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "the engine's waiting groups are not a set");
+    Py_XDECREF(queue);
+    Py_XDECREF(appended);
+    Py_XDECREF(waiting);
+    return added;
+}
+
+/* A check was posted and its op could not be queued (memory ran out): the group's sequence
+ * of checks has one the engine does not know of, so the context is broken. Keeps the error. */
+static void lost_check(Lane *lane) {
+    Pending pending = pending_take();
+    PyObject *why = PyUnicode_FromString(
+        "the compiled lane posted an all_reduce's check and could not queue its op (out of memory): this "
+        "rank's checks no longer pair with its peers'");
+    PyObject *done = why == NULL ? NULL : PyObject_CallMethodOneArg(lane->ctx, names.mark_broken, why);
+    if (done == NULL) PyErr_WriteUnraisable(lane->ctx);
+    Py_XDECREF(done);
+    Py_XDECREF(why);
+    pending_restore(pending);
 }
 
 /* ---- a call ------------------------------------------------------------------------------ */
@@ -355,16 +395,31 @@ static int post_data(Lane *lane, Call *call, PyObject *posted) {
 /* The call, once its objects are made: the handle, None (declined: nothing posted) or NULL. */
 static PyObject *call_run(Lane *lane, Call *call) {
     PyObject *posted = NULL, *seq = NULL;
-    int checked = lane->record != Py_None, agreed = 1;
+    int checked = lane->record != Py_None, agreed = 1, queued = 0;
+    /* Held by this thread: a signal handler interrupted the engine; declined, and the Python
+     * path refuses the call (Engine.reentered) before anything is posted. */
+    int held = lock_held_here(lane->lock);
+    if (held != 0) {
+        if (held < 0) return NULL;
+        Py_RETURN_NONE;
+    }
     if (engine_lock(lane->acquire) < 0) return NULL;
     posted = PyObject_GetAttr(lane->engine, names.posted);
     int idle = posted == NULL ? -1 : group_idle(lane, checked);
     /* Beyond `reap_after` ops in flight the Python path reaps the oldest (and holds back). */
     if (idle > 0 && (!PyList_Check(posted) || PyList_GET_SIZE(posted) >= consts.reap_after)) idle = 0;
     if (idle > 0 && checked) {
+        /* From the check's post to its op's place in the queue, no collection: a finalizer it
+         * ran would be Python code, in which a signal handler could run. */
+        int collecting = PyGC_Disable();
         agreed = check_at_once(lane, PyByteArray_AS_STRING(call->send), PyByteArray_AS_STRING(call->recv),
                                mpi_request_slot(call->check_request), &seq);
         if (agreed >= 0) slot_set(call->op, layout.op_seq, seq);
+        if (agreed == 0) {
+            queued = queue_op(lane, call->op, seq, call->send, call->recv, call->check_request, call->out) < 0 ? -1 : 1;
+            if (queued < 0) lost_check(lane);
+        }
+        if (collecting) PyGC_Enable();
     }
     int done = idle;
     if (idle > 0 && agreed > 0 && lane->kind == LANE_COPY) {
@@ -378,10 +433,14 @@ static PyObject *call_run(Lane *lane, Call *call) {
     }
     engine_unlock(lane->release);
     Py_XDECREF(posted);
-    if (idle > 0 && agreed == 0)
-        done = queue_checked(lane, call->op, seq, call->send, call->recv, call->check_request, call->out) < 0 ? -1 : 1;
     Py_XDECREF(seq);
-    if (idle < 0 || agreed < 0 || done < 0) return NULL;
+    if (queued > 0) {
+        /* Queued: the op is the engine's now, and the call waits for its check as any other. */
+        PyObject *awaited = PyObject_CallMethodObjArgs(lane->engine, consts.await_queued_check, call->op, Py_True, NULL);
+        Py_XDECREF(awaited);
+        done = awaited == NULL ? -1 : 1;
+    }
+    if (idle < 0 || agreed < 0 || queued < 0 || done < 0) return NULL;
     if (idle == 0) Py_RETURN_NONE; /* something is queued or stepping: the Python lane goes behind it */
     return Py_NewRef(call->handle);
 }
@@ -455,6 +514,23 @@ static const char *lane_keywords[] = {
     "kind", "ctx", "group", "op_key", "template", "datatype", "mpi_op", "divide", "record", "value", "per_rank",
     "rows", "spins", "queued_post", "done_op", NULL};
 
+/* Where `queued_post` is (start, comm, plan) and functools' partial can be had; 0, or -1 with an error set. */
+static int take_post(Lane *lane, PyObject *queued_post) {
+    if (!PyTuple_CheckExact(queued_post) || PyTuple_GET_SIZE(queued_post) != 3) {
+        PyErr_SetString(PyExc_TypeError, "queued_post is (start, comm, plan)");
+        return -1;
+    }
+    PyObject *functools = PyImport_ImportModule("functools");
+    PyObject *partial = functools == NULL ? NULL : PyObject_GetAttrString(functools, "partial");
+    Py_XDECREF(functools);
+    if (partial == NULL) return -1;
+    lane->partial = partial;
+    lane->post_start = Py_NewRef(PyTuple_GET_ITEM(queued_post, 0));
+    lane->post_comm = Py_NewRef(PyTuple_GET_ITEM(queued_post, 1));
+    lane->post_plan = Py_NewRef(PyTuple_GET_ITEM(queued_post, 2));
+    return 0;
+}
+
 static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     Lane *lane = (Lane *)self;
     PyObject *ctx, *group, *op_key, *template, *datatype, *mpi_op, *record, *queued_post, *done_op;
@@ -503,6 +579,7 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (ok) ok = (lane->mpi_op = mpi_op_of(mpi_op)) != -1 || !PyErr_Occurred();
     if (ok) ok = (lane->owner = PyLong_AsUnsignedLong(owner)) != (unsigned long)-1 || !PyErr_Occurred();
     if (ok) ok = (lane->size = (int)PyLong_AsLong(size)) != -1 || !PyErr_Occurred();
+    if (ok) ok = take_post(lane, queued_post) == 0;
     if (ok) ok = (lane->acquire = PyObject_GetAttr(lock, names.acquire)) != NULL;
     if (ok) ok = (lane->release = PyObject_GetAttr(lock, names.release)) != NULL;
     if (ok) ok = (lane->nbytes_obj = PyLong_FromSsize_t((Py_ssize_t)lane->nbytes)) != NULL;
@@ -511,6 +588,7 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "a checked lane needs a group of 2 to 8 ranks, whose checks gather rows");
         ok = 0;
     }
+    if (ok) lane->lock = Py_NewRef(lock);
     Py_XDECREF(lock);
     Py_XDECREF(comm);
     Py_XDECREF(check_comm);
@@ -527,7 +605,6 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     lane->group = Py_NewRef(group);
     lane->op_key = Py_NewRef(op_key);
     lane->record = Py_NewRef(record);
-    lane->queued_post = Py_NewRef(queued_post);
     lane->done_op = Py_NewRef(done_op);
     lane->descr = (PyArray_Descr *)Py_NewRef((PyObject *)PyArray_DESCR(array));
     return 0;
@@ -541,7 +618,11 @@ static int Lane_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(lane->op_key);
     Py_VISIT(lane->device);
     Py_VISIT(lane->record);
-    Py_VISIT(lane->queued_post);
+    Py_VISIT(lane->post_start);
+    Py_VISIT(lane->post_comm);
+    Py_VISIT(lane->post_plan);
+    Py_VISIT(lane->partial);
+    Py_VISIT(lane->lock);
     Py_VISIT(lane->done_op);
     Py_VISIT(lane->acquire);
     Py_VISIT(lane->release);
@@ -557,7 +638,11 @@ static int Lane_clear(PyObject *self) {
     Py_CLEAR(lane->op_key);
     Py_CLEAR(lane->device);
     Py_CLEAR(lane->record);
-    Py_CLEAR(lane->queued_post);
+    Py_CLEAR(lane->post_start);
+    Py_CLEAR(lane->post_comm);
+    Py_CLEAR(lane->post_plan);
+    Py_CLEAR(lane->partial);
+    Py_CLEAR(lane->lock);
     Py_CLEAR(lane->done_op);
     Py_CLEAR(lane->nbytes_obj);
     Py_CLEAR(lane->acquire);
@@ -589,7 +674,8 @@ PyDoc_STRVAR(Lane_doc,
 "mpi_op: the plan's MPI handles. divide: MEAN's division at the end. record, value, per_rank:\n"
 "the check's record (None: no check), agreement hash and per-rank value. rows: the loop that\n"
 "reduces carried rows (`rows_kind`). spins: tests of a check before it is queued.\n"
-"queued_post(out, payload): the op's post when its check is queued. done_op: the completed op\n"
+"queued_post: (start, comm, plan), the op's post when its check is queued being\n"
+"partial(start, comm, out, [payload,] plan) (`reduce_carried` or `in_place`). done_op: the completed op\n"
 "that carried calls completed at the call share.");
 
 PyTypeObject LaneType = {

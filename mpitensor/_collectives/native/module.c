@@ -24,6 +24,9 @@ int names_init(void) {
     NAME(acquire);
     NAME(release);
     NAME(spin_pauses);
+    NAME(_is_owned);
+    NAME(append);
+    NAME(mark_broken);
 #undef NAME
     return 0;
 }
@@ -127,7 +130,7 @@ PyMODINIT_FUNC PyInit__lanes(void) {
     if (names_init() < 0) return NULL;
     if ((consts.empty_tuple = PyTuple_New(0)) == NULL || (consts.one = PyLong_FromLong(1)) == NULL ||
         (consts.kind_name = PyUnicode_InternFromString("all_reduce")) == NULL ||
-        (consts.queue_checked = PyUnicode_InternFromString("queue_checked")) == NULL ||
+        (consts.await_queued_check = PyUnicode_InternFromString("await_queued_check")) == NULL ||
         (consts.settle = PyUnicode_InternFromString("settle")) == NULL)
         return NULL;
     if (PyType_Ready(&LaneType) < 0 || PyType_Ready(&DivideType) < 0 || PyType_Ready(&EntryType) < 0) return NULL;

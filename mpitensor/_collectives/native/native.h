@@ -90,7 +90,7 @@ typedef struct {
     PyObject *empty_tuple, *one, *kind_name;
     PyObject *later_type;           /* common.Later: a value settled by the Python resolve */
     PyObject *base_resolve;         /* CollectiveTensor.resolve, the general path */
-    PyObject *queue_checked;        /* the name of Engine.queue_checked */
+    PyObject *await_queued_check;   /* the name of Engine.await_queued_check */
     PyObject *settle;               /* the name of Later.settle */
     PyObject *take_quickly;         /* interop.take_quickly: a foreign input's array and converter */
     PyObject *small_bytes;          /* the largest foreign input it views (an int) */
@@ -109,7 +109,7 @@ enum { CHECKING = 0, QUEUED = 1, POSTED = 2, COMPLETE = 3, FAILED = 4 };
 /* Interned attribute names read on every call. */
 typedef struct {
     PyObject *usable, *closed, *owner_thread, *timeout, *engine, *queue, *holder, *posted, *lock, *waiting_groups,
-        *stepping, *check_seq, *checks_posted, *acquire, *release, *spin_pauses;
+        *stepping, *check_seq, *checks_posted, *acquire, *release, *spin_pauses, *_is_owned, *append, *mark_broken;
 } Names;
 
 extern Names names;
@@ -150,6 +150,8 @@ extern const char plain_leaves_doc[], pack_doc[], unpack_doc[];
  * Python call made with an exception set would lose it (SystemError: "returned NULL without
  * setting an exception"). */
 int engine_lock(PyObject *acquire);
+/* Whether this thread holds the engine's lock (handle.c); 1, 0, or -1 on error. */
+int lock_held_here(PyObject *lock);
 void engine_unlock(PyObject *release);
 
 /* An exception taken out of the interpreter while Python code runs, then put back. Every C
