@@ -69,7 +69,10 @@ class DataParallel(torch.nn.Module):
             buffers = [buffer for _, buffer in self.module.named_buffers()]
             if buffers:
                 broadcast_tensors(buffers, root=0, keep_versions=True)
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self._reducer is not None and torch.is_grad_enabled():
+            self._reducer.watch(output)
+        return output
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

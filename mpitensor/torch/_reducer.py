@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 
 import mpitensor as mt
 
@@ -118,6 +119,25 @@ class Reducer:
         self.next = 0  # the next bucket to start
         self.armed = False  # the end-of-backward callback is queued
 
+    def watch(self, output: Any) -> None:
+        """Arm the end-of-backward callback from the first node of `output`'s graph.
+
+        torch runs a queued callback at the end of the backward that queued it. A hook on a
+        parameter may run in the inner backward of reentrant checkpointing, which ends
+        before the gradients outside the checkpoint are in; the output's node runs in the
+        outermost backward, before any parameter's, so the callback waits for all of them.
+        """
+        me = weakref.ref(self)
+        tensors = [output] if isinstance(output, torch.Tensor) else tree_leaves(output)
+        for node in {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
+            node.register_prehook(_prehook(me))
+
+    def arm(self) -> None:
+        """Queue `finish` at the end of the running backward, once per synced backward."""
+        if self.sync and not self.armed:
+            self.armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
     def on_gradient(self, index: int, param: torch.Tensor) -> None:
         """Autograd accumulated parameter `index`'s gradient (its post-accumulate hook)."""
         self.used[index] = 1
@@ -130,13 +150,12 @@ class Reducer:
         Raises:
             RuntimeError: the parameter's gradient was already accumulated in this backward.
         """
-        if not self.armed:
-            self.armed = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        self.arm()  # armed already where the output's node ran first, as it does from a loss
         if self.ready[index]:
             raise RuntimeError(
                 f"DataParallel: the gradient of {self.names[index]!r} was produced twice in one backward "
-                "(reentrant checkpointing or a parameter shared across modules by hand?); this is not supported"
+                "(a parameter used in two reentrant checkpoints, or inside and outside one?); this is not supported: "
+                "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) there"
             )
         bucket = self.buckets[self.where[index]]
         self._enter(bucket, index, param.grad)
@@ -241,6 +260,15 @@ def _hook(reducer: weakref.ref[Reducer], index: int) -> Callable[[torch.Tensor],
             alive.on_gradient(index, param)
 
     return hook
+
+
+def _prehook(reducer: weakref.ref[Reducer]) -> Callable[[Any], None]:
+    def prehook(grad_outputs: Any) -> None:
+        alive = reducer()
+        if alive is not None:
+            alive.arm()
+
+    return prehook
 
 
 def _remove(hooks: list[Any]) -> None:

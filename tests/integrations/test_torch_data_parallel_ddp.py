@@ -109,3 +109,58 @@ def test_parameters_some_ranks_leave_unused_need_no_flag(ctx, record_property):
     names = [name for name, _ in Branchy().named_parameters()]
     assert_like_ddp(ctx, ddp, ours, names, record_property)
     assert ours[0][names.index("never.weight")] is None
+
+
+class Checkpointed(torch.nn.Module):
+    """Four tanh layers; those in `segments` run in reentrant activation checkpoints, one each."""
+
+    def __init__(self, segments: tuple[int, ...]) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(6, 6, dtype=torch.float64) for _ in range(4))
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for number, layer in enumerate(self.layers):
+            step = lambda h, layer=layer: torch.tanh(layer(h))  # noqa: E731 - one layer's segment
+            x = checkpoint(step, x, use_reentrant=True) if number in self.segments else step(x)
+        return x
+
+
+class CountedAllReduce:
+    """`mt.all_reduce` that counts its calls (how many a backward posts)."""
+
+    def __init__(self) -> None:
+        self.calls, self.inner = 0, mt.all_reduce
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+@pytest.mark.parametrize("segments", [(0, 1), (2, 3), (0, 1, 2, 3)], ids=["first", "last", "every"])
+def test_reentrant_checkpointing_gives_ddps_gradients(ctx, record_property, monkeypatch, segments):
+    counted = CountedAllReduce()
+
+    def train(model: torch.nn.Module) -> Grads:
+        opt, steps = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for step in range(2):
+            opt.zero_grad()
+            x = inputs(step, ctx.rank).requires_grad_(True)  # reentrant checkpoints need an input that does
+            model(x).square().sum().backward()
+            steps.append(grads_of(model))
+            opt.step()
+        return steps
+
+    def run() -> tuple[Grads, Grads, int]:
+        ddp = torch.nn.parallel.DistributedDataParallel(Checkpointed(segments))
+        ours = DataParallel(Checkpointed(segments), bucket_bytes=128)
+        monkeypatch.setattr(mt, "all_reduce", counted)
+        return train(ddp), train(ours), len(ours.bucket_names)
+
+    ddp, ours, buckets = beside_gloo(ctx, run)
+    # One end of backward, after the outermost one: each bucket once, no second round.
+    assert counted.calls == 2 * buckets, f"{counted.calls} all-reduces in 2 backwards of {buckets} buckets"
+    assert_like_ddp(ctx, ddp, ours, [name for name, _ in Checkpointed(segments).named_parameters()], record_property)
