@@ -16,6 +16,7 @@ import re
 import socket
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -152,6 +153,17 @@ def round_done(progress: Callable[[str], None] | None, comm: Any, family: str, r
     """Tell `progress` (on rank 0 only) that round `rep` of `family` is over."""
     if progress is not None and comm.Get_rank() == 0:
         progress(f"{family}: round {rep + 1}/{reps} done")
+
+
+def seconds_per_call(call: Callable[[], Any], reps: int, barrier: Callable[[], None]) -> float:
+    """This rank's mean seconds per call of `reps` calls, after a warm-up and a barrier."""
+    for _ in range(max(3, reps // 10)):
+        call()
+    barrier()
+    began = time.perf_counter()
+    for _ in range(reps):
+        call()
+    return (time.perf_counter() - began) / reps
 
 
 def median(values: Sequence[float]) -> float:
@@ -361,4 +373,5 @@ def size_axis(axis: Any, sizes: Sequence[int]) -> None:
     axis.grid(True, which="both", alpha=0.3)
 
 
-__all__ += ["load_average", "markdown_table", "median", "ratio", "size_axis", "text_table", "us", "gbps"]
+__all__ += ["load_average", "markdown_table", "median", "ratio", "seconds_per_call", "size_axis", "text_table", "us",
+            "gbps"]

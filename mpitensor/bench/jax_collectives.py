@@ -14,28 +14,17 @@ Run ``mpiexec -n 2 python -m mpitensor.bench jax``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .._core.mpi import MPI
-from ._common import markdown_table, text_table
+from ._common import markdown_table, seconds_per_call, text_table
 
 __all__ = ["format_jax", "run_jax"]
 
 _SIZES = {"8 B": 2, "64 KiB": 16384, "1 MiB": 262144, "16 MiB": 4194304}
-
-
-def _per_call(call: Callable[[], Any], reps: int, barrier: Callable[[], None]) -> float:
-    for _ in range(max(3, reps // 10)):
-        call()
-    barrier()
-    began = time.perf_counter()
-    for _ in range(reps):
-        call()
-    return (time.perf_counter() - began) / reps
 
 
 def _reps(elements: int) -> int:
@@ -95,7 +84,7 @@ def run_jax(rounds: int = 7, progress: Callable[[str], None] | None = None) -> d
         for _ in range(rounds):
             for size, calls in variants.items():
                 for name, call in calls.items():
-                    took = _per_call(call, _reps(_SIZES[size]), ctx.comm.Barrier)
+                    took = seconds_per_call(call, _reps(_SIZES[size]), ctx.comm.Barrier)
                     times[size][name].append(ctx.comm.allreduce(took, op=MPI.MAX))
         variants = {}
     if progress is not None and ctx.rank == 0:

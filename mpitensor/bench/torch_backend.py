@@ -11,26 +11,15 @@ Run ``mpiexec -n 4 python -m mpitensor.bench torch``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .._core.mpi import MPI
-from ._common import markdown_table, start_gloo, stop_gloo, text_table
+from ._common import markdown_table, seconds_per_call, start_gloo, stop_gloo, text_table
 
 __all__ = ["format_torch_backend", "run_torch_backend"]
-
-
-def _per_call(call: Callable[[], Any], reps: int, barrier: Callable[[], None]) -> float:
-    for _ in range(max(3, reps // 10)):
-        call()
-    barrier()
-    began = time.perf_counter()
-    for _ in range(reps):
-        call()
-    return (time.perf_counter() - began) / reps
 
 
 def run_torch_backend(rounds: int = 7, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -63,7 +52,7 @@ def run_torch_backend(rounds: int = 7, progress: Callable[[str], None] | None = 
             for _ in range(rounds):
                 for size, calls in variants.items():
                     for name, (call, reps) in calls.items():
-                        took = _per_call(call, reps, ctx.comm.Barrier)
+                        took = seconds_per_call(call, reps, ctx.comm.Barrier)
                         times[size][name].append(ctx.comm.allreduce(took, op=MPI.MAX))
         finally:
             variants = group = None  # the group goes before gloo (see stop_gloo)
