@@ -96,6 +96,7 @@ class Reducer:
             for index in bucket.members:
                 self.where[index] = number
         self.used = np.zeros(len(params), dtype=np.int32)  # a gradient since the last sync
+        self.graphed: dict[int, torch.Tensor] = {}  # create_graph=True: the local gradients, graphs and all
         # The hooks reach the reducer through a weak reference, and are removed when it
         # goes: a module wrapped again after its first wrapper is dropped is reduced once.
         me = weakref.ref(self)
@@ -117,6 +118,7 @@ class Reducer:
             bucket.pending = len(bucket.members)
             bucket.handle = None
         self.next = 0  # the next bucket to start
+        self.graphed.clear()
         self.armed = False  # the end-of-backward callback is queued
 
     def watch(self, output: Any) -> None:
@@ -158,7 +160,11 @@ class Reducer:
                 "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) there"
             )
         bucket = self.buckets[self.where[index]]
-        self._enter(bucket, index, param.grad)
+        grad = param.grad
+        if grad is not None and grad.requires_grad:  # backward(create_graph=True)
+            self.graphed[index] = grad
+            grad = grad.detach()
+        self._enter(bucket, index, grad)
         param.grad = self.views[index]
         self.ready[index] = True
         bucket.pending -= 1
@@ -174,6 +180,8 @@ class Reducer:
         half precision is averaged by mpitensor instead, in float32.
         """
         view = self.views[index]
+        if grad is not None and grad.requires_grad:  # a graph-carrying gradient left by create_graph=True
+            grad = grad.detach()
         if grad is None:
             view.zero_()
         elif not bucket.prescale:
@@ -201,6 +209,8 @@ class Reducer:
         gradient as it was; so the ranks agree with no extra message in the common case.
         """
         try:
+            if not any(self.ready):  # torch.autograd.grad (a gradient penalty's): no .grad, not a step
+                return
             missing = [index for index, ready in enumerate(self.ready) if not ready]
             if missing:
                 self.buckets[-1].flat[-1] = 1  # before the last bucket starts: it waits for these
@@ -211,9 +221,25 @@ class Reducer:
                 everywhere = mt.all_reduce(self.used, mt.ReduceOperation.MAX).resolve().numpy()
             for bucket, average in zip(self.buckets, averages):
                 self._write_back(bucket, average, everywhere)
+            self._keep_graphs()
             self.used[:] = 0
         finally:
             self._reset()
+
+    def _keep_graphs(self) -> None:
+        """After backward(create_graph=True): the averages as gradients that keep their graphs.
+
+        ``param.grad`` becomes ``local - local.detach() + average``: its value is exactly
+        the average (the first difference is an exact zero), and differentiating it follows
+        the local gradient's graph.
+        A loss built from these gradients on every rank (the same value everywhere) thus
+        gets, once its own backward averages over the ranks, the derivative of that loss of
+        the averaged gradient.
+        """
+        with torch.enable_grad():
+            for index, local in self.graphed.items():
+                self.params[index].grad = local - local.detach() + self.views[index]
+        self.graphed.clear()
 
     def _mark_unused(self, missing: list[int]) -> None:
         """Put the gradients of parameters unused in this backward into their buckets.

@@ -164,3 +164,63 @@ def test_reentrant_checkpointing_gives_ddps_gradients(ctx, record_property, monk
     # One end of backward, after the outermost one: each bucket once, no second round.
     assert counted.calls == 2 * buckets, f"{counted.calls} all-reduces in 2 backwards of {buckets} buckets"
     assert_like_ddp(ctx, ddp, ours, [name for name, _ in Checkpointed(segments).named_parameters()], record_property)
+
+
+def tanh_net() -> torch.nn.Module:
+    torch.manual_seed(6)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7, dtype=torch.float64), torch.nn.Tanh(),
+                               torch.nn.Linear(7, 1, dtype=torch.float64))
+
+
+def full_batch(ctx: mt.DistributedContext, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's rows stacked (3 each), and this rank's."""
+    rows = torch.cat([inputs(step, rank, rows=3, cols=5) for rank in range(ctx.size)])
+    return rows, rows[3 * ctx.rank : 3 * ctx.rank + 3]
+
+
+def assert_grads(model: torch.nn.Module, expected: list[torch.Tensor], what: str, record: Any) -> None:
+    worst = max((p.grad - want).abs().max().item() for p, want in zip(model.parameters(), expected))
+    record(f"max_difference_to_one_process_{what}", worst)
+    for (name, p), want in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.grad, want, rtol=1e-12, atol=1e-14, msg=f"{what}: {name}.grad")
+
+
+def test_create_graph_gives_the_average_and_its_derivative(ctx, record_property):
+    """backward(create_graph=True), then a penalty on the gradients: one process on the whole batch."""
+    model = DataParallel(tanh_net())
+    everything, mine = full_batch(ctx)
+    model(mine).square().mean().backward(create_graph=True)
+    assert all(p.grad.requires_grad for p in model.parameters())
+    reference = tanh_net()
+    grads = torch.autograd.grad(reference(everything).square().mean(), list(reference.parameters()), create_graph=True)
+    assert_grads(model, [g.detach() for g in grads], "first_order", record_property)
+    penalty = sum(p.grad.square().sum() for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    penalty.backward()
+    want = torch.autograd.grad(sum(g.square().sum() for g in grads), list(reference.parameters()))
+    assert_grads(model, list(want), "penalty", record_property)
+    model.zero_grad(set_to_none=False)  # and a plain step after it: the bucket views again
+    model(mine).square().mean().backward()
+    reference.zero_grad()
+    reference(everything).square().mean().backward()
+    assert_grads(model, [p.grad for p in reference.parameters()], "next_step", record_property)
+
+
+def test_an_input_gradient_penalty_averages_once(ctx, record_property, monkeypatch):
+    """WGAN-GP: torch.autograd.grad on the inputs posts nothing; the total loss's backward averages."""
+    model = DataParallel(tanh_net())
+    counted = CountedAllReduce()
+    monkeypatch.setattr(mt, "all_reduce", counted)
+
+    def objective(net: torch.nn.Module, x: torch.Tensor, shards: int) -> torch.Tensor:
+        x = x.clone().requires_grad_(True)
+        out = net(x)
+        (dx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return out.mean() + ((dx.norm(dim=1) - 1) ** 2).sum() / (3 * shards)
+
+    everything, mine = full_batch(ctx)
+    objective(model, mine, 1).backward()
+    assert counted.calls == len(model.bucket_names), f"{counted.calls} all-reduces for {len(model.bucket_names)} buckets"
+    reference = tanh_net()
+    objective(reference, everything, ctx.size).backward()  # the mean over ranks of each rank's objective
+    assert_grads(model, [p.grad for p in reference.parameters()], "input_penalty", record_property)
