@@ -11,6 +11,7 @@ import torch
 import mpitensor as mt
 
 from ._broadcast import broadcast_tensors
+from ._ddp_options import resolve
 from ._reducer import Reducer
 
 __all__ = ["DataParallel"]
@@ -29,15 +30,23 @@ class DataParallel(torch.nn.Module):
         module: the model (its parameters on the CPU); every rank builds the same one.
         bucket_bytes: the size of a gradient bucket; None for the context's
             ``config.bucket_bytes`` (25 MiB). The first bucket holds at most 1 MiB, as DDP's.
-        find_unused_parameters: accepted for DDP's sake and not needed: a parameter that
-            gets no gradient on a rank always contributes what it holds (zeros for none),
-            and one no rank used keeps its gradient untouched (None stays None).
-        broadcast_buffers: copy rank 0's buffers (BatchNorm statistics, ...) to every rank
-            before each forward.
+        **ddp_options: DDP's keyword arguments, with DDP's meaning where they have one
+            here: ``bucket_cap_mb`` (the bucket size in MiB, instead of `bucket_bytes`),
+            ``init_sync`` (False: no copy from rank 0 at construction),
+            ``forward_sync_buffers`` / ``broadcast_buffers`` (rank 0's buffers before each
+            forward; ``broadcast_buffers=False`` also skips them at construction, as in DDP),
+            ``device_ids`` / ``output_device`` (None for CPU modules), ``dim`` (no effect on
+            CPU). ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
+            ``check_reduction``, ``skip_all_reduce_unused_params`` and ``batched_grad_copy``
+            are accepted hints that DataParallel does not need (see docs/torch.md).
+            ``process_group``, ``device_mesh``, ``mixed_precision``, ``bucket_cap_mb_list``,
+            ``delay_all_reduce_named_params`` and ``param_to_hook_all_reduce`` must be None.
 
     Raises:
         NoContextError: no context is open.
-        TypeError: a parameter or buffer is not on the CPU, or a sparse parameter.
+        TypeError: a parameter or buffer is not on the CPU, a sparse parameter, or a DDP
+            argument DataParallel does not support (the message says what to use instead).
+        ValueError: a device for a CPU module, or a bucket size that is not positive.
         CollectiveMismatchError: the ranks' modules differ in the size of their state.
     """
 
@@ -46,19 +55,21 @@ class DataParallel(torch.nn.Module):
         module: torch.nn.Module,
         *,
         bucket_bytes: int | None = None,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
+        **ddp_options: Any,
     ) -> None:
         super().__init__()
-        _validate(module, bucket_bytes)  # before any communication
+        options = resolve(bucket_bytes, ddp_options)  # before any communication
+        _validate(module, options.bucket_bytes)
         ctx = mt.current_context()
         self.module = module
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = options.forward_buffers
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
-        broadcast_tensors([*module.parameters(), *module.buffers()], root=0)
+        if options.init_sync:
+            broadcast_tensors([*module.parameters(), *(module.buffers() if options.init_buffers else ())], root=0)
         self._ranks = ctx.size
         self._reducer = (
-            Reducer([name for name, _ in named], [param for _, param in named], bucket_bytes or ctx.config.bucket_bytes)
+            Reducer([name for name, _ in named], [param for _, param in named],
+                    options.bucket_bytes or ctx.config.bucket_bytes)
             if named else None
         )
 

@@ -220,7 +220,104 @@ def test_an_input_gradient_penalty_averages_once(ctx, record_property, monkeypat
 
     everything, mine = full_batch(ctx)
     objective(model, mine, 1).backward()
-    assert counted.calls == len(model.bucket_names), f"{counted.calls} all-reduces for {len(model.bucket_names)} buckets"
+    buckets = len(model.bucket_names)
+    assert counted.calls == buckets, f"{counted.calls} all-reduces for {buckets} buckets"
     reference = tanh_net()
     objective(reference, everything, ctx.size).backward()  # the mean over ranks of each rank's objective
     assert_grads(model, [p.grad for p in reference.parameters()], "input_penalty", record_property)
+
+
+def small_cnn(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, dtype=torch.float64), torch.nn.Tanh(), torch.nn.Flatten(),
+                               torch.nn.Linear(2 * 4 * 4, 3, dtype=torch.float64))
+
+
+DDP_ARGUMENTS = [
+    {"bucket_cap_mb": 0.0005, "gradient_as_bucket_view": True, "static_graph": True, "device_ids": None,
+     "output_device": None, "dim": 0, "process_group": None, "broadcast_buffers": True, "init_sync": True,
+     "find_unused_parameters": False, "check_reduction": False, "mixed_precision": None},
+    {"bucket_cap_mb": 25, "gradient_as_bucket_view": False, "static_graph": False, "find_unused_parameters": True,
+     "forward_sync_buffers": True, "skip_all_reduce_unused_params": False, "batched_grad_copy": True,
+     "device_mesh": None, "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None},
+]
+
+
+@pytest.mark.parametrize("arguments", DDP_ARGUMENTS, ids=["static_graph", "find_unused"])
+def test_ddps_keyword_arguments_give_ddps_gradients(ctx, record_property, arguments):
+    """The same keyword arguments to both, each rank starting from its own weights (init_sync copies rank 0's)."""
+
+    def train(model: torch.nn.Module) -> Grads:
+        opt, steps = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for step in range(3):
+            opt.zero_grad()
+            model(inputs(step, ctx.rank, rows=4, cols=36).view(4, 1, 6, 6)).square().sum().backward()
+            steps.append(grads_of(model))
+            opt.step()
+        return steps
+
+    def run() -> tuple[Grads, Grads]:
+        ddp = torch.nn.parallel.DistributedDataParallel(small_cnn(ctx.rank), **arguments)
+        return train(ddp), train(DataParallel(small_cnn(ctx.rank), **arguments))
+
+    ddp, ours = beside_gloo(ctx, run)
+    assert_like_ddp(ctx, ddp, ours, [name for name, _ in small_cnn(0).named_parameters()], record_property)
+
+
+def test_bucket_cap_mb_is_the_bucket_size_in_mib(ctx):
+    by_mib = DataParallel(small_cnn(0), bucket_cap_mb=200 / 2**20)
+    assert by_mib.bucket_names == DataParallel(small_cnn(0), bucket_bytes=200).bucket_names
+    assert len(by_mib.bucket_names) == 3 and len(DataParallel(small_cnn(0), bucket_cap_mb=1).bucket_names) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_init_sync_false_leaves_each_rank_its_weights(ctx):
+    from tests.integrations.test_torch_data_parallel import assert_same_on_every_rank
+
+    model = DataParallel(small_cnn(ctx.rank), init_sync=False)
+    torch.testing.assert_close(model.module[3].weight, small_cnn(ctx.rank)[3].weight, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_on_every_rank(ctx, list(model.parameters()))
+    assert_same_on_every_rank(ctx, list(DataParallel(small_cnn(ctx.rank), init_sync=True).parameters()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize(("arguments", "at_start", "each_forward"), [
+    ({"broadcast_buffers": False}, False, False),
+    ({"forward_sync_buffers": False}, True, False),
+    ({"broadcast_buffers": True}, True, True),
+])
+def test_the_buffer_flags_mean_what_they_mean_in_ddp(ctx, arguments, at_start, each_forward):
+    def normed() -> torch.nn.Module:
+        net = torch.nn.BatchNorm1d(2)
+        net.running_mean.fill_(ctx.rank)
+        return net
+
+    model = DataParallel(normed(), **arguments)
+    assert model.module.running_mean.eq(0 if at_start else ctx.rank).all()
+    model.module.running_mean.fill_(10 + ctx.rank)
+    model.eval()
+    model(torch.ones(2, 2))
+    assert model.module.running_mean.eq(10 if each_forward else 10 + ctx.rank).all()
+
+
+@pytest.mark.parametrize(("arguments", "error", "message"), [
+    ({"device_ids": [0]}, ValueError, r"CPU modules: device_ids must be None .* got \[0\]"),
+    ({"output_device": 0}, ValueError, r"output_device must be None .* got 0"),
+    ({"process_group": object()}, TypeError, r"does not support process_group; .*dist\.new_group\(ranks\)"),
+    ({"device_mesh": object()}, TypeError, r"does not support device_mesh; .*'mpitensor' backend"),
+    ({"mixed_precision": object()}, TypeError, r"does not support mixed_precision; cast the module .*autocast"),
+    ({"bucket_cap_mb_list": [1, 25]}, TypeError, r"does not support bucket_cap_mb_list; use bucket_cap_mb"),
+    ({"delay_all_reduce_named_params": []}, TypeError, r"does not support delay_all_reduce_named_params"),
+    ({"param_to_hook_all_reduce": object()}, TypeError, r"does not support param_to_hook_all_reduce"),
+    ({"bucket_cap_mb": 1, "bucket_bytes": 1024}, TypeError, r"pass bucket_bytes or bucket_cap_mb, not both"),
+    ({"bucket_cap_mb": 0}, ValueError, r"bucket_cap_mb must be positive, got 0"),
+    ({"bucket_cap_mb": "25"}, TypeError, r"bucket_cap_mb must be a number of MiB, got str"),
+    ({"static_graph": "yes"}, TypeError, r"static_graph must be a bool, got str"),
+    ({"dim": 0.5}, TypeError, r"dim must be an int, got float"),
+    ({"sync_every": 2}, TypeError, r"unexpected keyword argument 'sync_every'"),
+])
+def test_ddp_arguments_it_cannot_honour_are_clear_errors(ctx, arguments, error, message):
+    with pytest.raises(error, match=message):
+        DataParallel(small_cnn(0), **arguments)
+    DataParallel(small_cnn(0), device_ids=[], output_device=None)  # what DDP takes for a CPU module
