@@ -12,6 +12,7 @@ import mpitensor as mt
 
 from ._broadcast import broadcast_tensors
 from ._ddp_options import resolve
+from ._join import Joiner
 from ._reducer import Reducer
 
 __all__ = ["DataParallel"]
@@ -67,6 +68,7 @@ class DataParallel(torch.nn.Module):
         if options.init_sync:
             broadcast_tensors([*module.parameters(), *(module.buffers() if options.init_buffers else ())], root=0)
         self._ranks = ctx.size
+        self._joiner: Joiner | None = None  # inside join()
         self._reducer = (
             Reducer([name for name, _ in named], [param for _, param in named],
                     options.bucket_bytes or ctx.config.bucket_bytes)
@@ -74,16 +76,58 @@ class DataParallel(torch.nn.Module):
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Broadcast rank 0's buffers (if asked), then run the wrapped module."""
-        if self.broadcast_buffers and self._ranks > 1:
-            # Looked up again each time: a buffer may have been reassigned (module.buf = t).
-            buffers = [buffer for _, buffer in self.module.named_buffers()]
-            if buffers:
-                broadcast_tensors(buffers, root=0, keep_versions=True)
+        """Broadcast rank 0's buffers (if asked), then run the wrapped module.
+
+        Inside `join` the buffers come from the largest rank still training, as DDP's.
+        """
+        self._sync_buffers(0 if self._joiner is None else self._joiner.notify())
         output = self.module(*args, **kwargs)
         if self._reducer is not None and torch.is_grad_enabled():
             self._reducer.watch(output)
         return output
+
+    def _sync_buffers(self, root: int) -> None:
+        if self.broadcast_buffers and self._ranks > 1:
+            # Looked up again each time: a buffer may have been reassigned (module.buf = t).
+            buffers = [buffer for _, buffer in self.module.named_buffers()]
+            if buffers:
+                broadcast_tensors(buffers, root=root, keep_versions=True)
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Iterator[None]:
+        """Train on uneven inputs: ranks whose inputs run out make their peers' calls (DDP's ``join``).
+
+        Each step inside the block must be one forward and one backward. At the block's end
+        a rank waits, taking part in its peers' steps (contributing zero gradients), until
+        every rank has joined; then every rank gets the model of the last rank to join.
+
+        Args:
+            divide_by_initial_world_size: True divides the gradients' sum by every rank,
+                joined ones included (DDP's default); False by the ranks still training.
+            enable: False makes the block do nothing (every rank must have as many steps).
+            throw_on_early_termination: raise a RuntimeError on every rank as soon as one
+                runs out of inputs, instead of shadowing.
+
+        Raises:
+            RuntimeError: a rank ran out with `throw_on_early_termination`, or the block is
+                already open.
+        """
+        if not enable:
+            yield
+            return
+        if self._joiner is not None:
+            raise RuntimeError("DataParallel.join: a join() block of this model is already open")
+        buffers = list(self.module.buffers()) if self.broadcast_buffers else []
+        self._joiner = Joiner(self._reducer, self._sync_buffers, [*self.module.parameters(), *buffers],
+                              divide_by_initial_world_size, throw_on_early_termination)
+        try:
+            yield
+            self._joiner.shadow()
+        finally:
+            self._joiner = None
+            if self._reducer is not None:
+                self._reducer.divide_by(self._ranks)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -80,7 +80,9 @@ class Reducer:
 
     def __init__(self, names: list[str], params: list[torch.Tensor], bucket_bytes: int) -> None:
         ranks = mt.current_context().size
-        self.scale = 1.0 / ranks
+        self.ranks = ranks
+        self.scale = 1.0 / ranks  # what a prescaled gradient is multiplied by
+        self.mean_factor = 1.0  # what a MEAN bucket's average is multiplied by (join: ranks still training)
         self.names = names
         self.params = params
         self.sync = True
@@ -277,6 +279,26 @@ class Reducer:
             param = self.params[index]
             if param.grad is not self.views[index]:
                 param.grad = self.views[index]
+            if self.mean_factor != 1.0 and not bucket.prescale:
+                self.views[index].mul_(self.mean_factor)
+
+    def divide_by(self, contributors: int) -> None:
+        """Average over `contributors` ranks from now on, the others sending zeros (join)."""
+        self.scale = 1.0 / contributors
+        self.mean_factor = self.ranks / contributors
+
+    def shadow(self) -> None:
+        """A joined rank's part in its peers' backward: zeros for every bucket, in their order.
+
+        Then, where the flag came back raised, its part in the all-reduce of the used
+        parameters (it used none). Its own gradients are left alone, as DDP's joined ranks'.
+        """
+        handles = [mt.all_reduce(np.zeros_like(bucket.array),
+                                 mt.ReduceOperation.SUM if bucket.prescale else mt.ReduceOperation.MEAN)
+                   for bucket in self.buckets]
+        averages = [handle.resolve().numpy() for handle in handles]
+        if averages[-1][-1] != 0:
+            mt.all_reduce(np.zeros_like(self.used), mt.ReduceOperation.MAX).resolve()
 
 
 def _hook(reducer: weakref.ref[Reducer], index: int) -> Callable[[torch.Tensor], None]:

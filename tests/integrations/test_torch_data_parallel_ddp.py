@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import traceback
 from collections.abc import Callable, Iterator
@@ -321,3 +322,43 @@ def test_ddp_arguments_it_cannot_honour_are_clear_errors(ctx, arguments, error, 
     with pytest.raises(error, match=message):
         DataParallel(small_cnn(0), **arguments)
     DataParallel(small_cnn(0), device_ids=[], output_device=None)  # what DDP takes for a CPU module
+
+
+def normed_net() -> torch.nn.Module:
+    torch.manual_seed(8)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5, dtype=torch.float64), torch.nn.BatchNorm1d(5, dtype=torch.float64),
+                               torch.nn.Tanh(), torch.nn.Linear(5, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("divide_by_initial_world_size", [True, False])
+def test_join_with_uneven_inputs_gives_ddps_gradients_and_model(ctx, record_property, divide_by_initial_world_size):
+    """Rank r has 2 + r batches (every third step under no_sync); nobody hangs, and each step equals DDP's."""
+    batches = 2 + ctx.rank
+
+    def train(model: Any) -> tuple[Grads, list[Any]]:
+        opt, steps = torch.optim.SGD(model.parameters(), lr=0.1), []
+        with model.join(divide_by_initial_world_size=divide_by_initial_world_size):
+            for step in range(batches):
+                opt.zero_grad()
+                with model.no_sync() if step == 1 else contextlib.nullcontext():
+                    model(inputs(step, ctx.rank)).square().sum().backward()
+                steps.append(grads_of(model))
+                opt.step()
+        return steps, [t.detach().clone() for t in [*model.module.parameters(), *model.module.buffers()]]
+
+    def run() -> tuple[Any, Any]:
+        return train(torch.nn.parallel.DistributedDataParallel(normed_net())), train(DataParallel(normed_net()))
+
+    (ddp, ddp_model), (ours, our_model) = beside_gloo(ctx, run)
+    assert_like_ddp(ctx, ddp, ours, [name for name, _ in normed_net().named_parameters()], record_property)
+    for number, (a, b) in enumerate(zip(ddp_model, our_model)):  # the last joiner's model, on every rank
+        torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-15, msg=f"rank {ctx.rank}: tensor {number} of the model")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_can_stop_every_rank_when_one_runs_out(ctx):
+    model = DataParallel(normed_net())
+    ran_out = r"rank\(s\) \[0\] ran out of inputs, and throw_on_early_termination"
+    with pytest.raises(RuntimeError, match=ran_out), model.join(throw_on_early_termination=True):
+        for step in range(1 + min(ctx.rank, 1)):  # rank 0 one step, the others two
+            model(inputs(step, ctx.rank)).square().sum().backward()
