@@ -36,16 +36,12 @@ def _typed(array: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.nda
     return array.view(dtype).reshape(shape)
 
 
-# Up to this size the all-reduce's fresh result is copied into XLA's buffer: the compiled
-# lane of small all-reduces takes only calls without out=, and is faster even with the copy.
-_COPY_BYTES = 64 << 10
-
-
 def _all_reduce(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
-    if out.nbytes <= _COPY_BYTES:
-        np.copyto(out, mt.all_reduce(source, params["op"], params["devices"]).resolve())
-    else:
-        mt.all_reduce(source, params["op"], params["devices"], out=out).resolve()
+    # The fresh result, copied into XLA's buffer, rather than out=: without out= the call
+    # takes the compiled lane (small sizes) or the shared-memory transport where the group
+    # shares a node, both faster than MPI's own all-reduce into out= even with the copy
+    # (1 MiB inside jax.jit on 2 ranks of one node: 0.67 ms against 1.25 ms).
+    np.copyto(out, mt.all_reduce(source, params["op"], params["devices"]).resolve())
 
 
 def _broadcast(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
