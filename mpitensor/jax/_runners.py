@@ -95,6 +95,13 @@ def _barrier(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> Non
 
 
 def _sendrecv(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
+    if params["source"] == params["dest"] == mt.current_context().rank:
+        # A rank's exchange with itself (a ring of one) is a copy, as MPI_Sendrecv's is.
+        if source.shape != out.shape or source.dtype != out.dtype:
+            raise ValueError(f"sendrecv with itself: sent {source.dtype}{list(source.shape)}, but the receive "
+                             f"buffer is {out.dtype}{list(out.shape)}; give recvbuf the sent array's shape and dtype")
+        np.copyto(out, source)
+        return
     sent = mt.send(source, params["dest"], tag=params["tag"])
     mt.recv(source=params["source"], shape=out.shape, dtype=out.dtype, tag=params["tag"], out=out).resolve()
     sent.resolve()
