@@ -46,9 +46,10 @@ fi
 # from a wheel built for another. PATH keeps the venv and the system's compilers only, as an
 # nvcc found elsewhere makes its build look for CUDA headers.
 if [[ ",$extras," == *",test,"* && -x "$venv/bin/mpicc" ]]; then
-  if ! PATH="$venv/bin:/usr/bin:/bin" "${pip[@]}" install --no-cache-dir nanobind==3.1.0 ||
-     ! PATH="$venv/bin:/usr/bin:/bin" "${pip[@]}" install --no-cache-dir --no-binary=mpi4jax \
-       --no-build-isolation mpi4jax==0.9.1.post2 ||
+  bin="$(cd "$venv/bin" && pwd)"  # absolute: pip builds in a folder of its own
+  if ! "${pip[@]}" install --no-cache-dir nanobind==3.1.0 ||
+     ! PATH="$bin:/usr/bin:/bin" MPI4JAX_BUILD_MPICC="$bin/mpicc" "${pip[@]}" install --no-cache-dir \
+       --no-binary=mpi4jax --no-build-isolation mpi4jax==0.9.1.post2 ||
      ! "$venv/bin/python" -c "import mpi4jax" >/dev/null 2>&1; then
     "${pip[@]}" uninstall -y mpi4jax >/dev/null 2>&1 || true
     echo "make-venv.sh: mpi4jax could not be built here; the tests beside it will skip"
