@@ -14,7 +14,7 @@ from .._core.interop import numpy_dtype
 from .._core.tensor import Tensor
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
-from .._runtime.engine import Op
+from .._runtime.engine import Op, size_text
 from .._transport import mpi
 from .common import (
     CollectiveTensor,
@@ -123,7 +123,7 @@ def _receive(ctx: Any, source: Any, whole: tuple[int, ...], dtype: np.dtype, axi
     except MemoryError as exc:
         given = "the shape= this rank passed" if source is None else "this rank's input"
         raise MemoryError(
-            f"scatter: cannot allocate this rank's block of {_size_text(math.prod(block) * dtype.itemsize)} "
+            f"scatter: cannot allocate this rank's block of {size_text(math.prod(block) * dtype.itemsize)} "
             f"({rows} of the {whole[axis]} slices along axis {axis} of a {dtype} tensor of shape {whole}, "
             f"from {given}). A non-root rank's shape= must be the root's whole shape (what the root splits), "
             f"not a size to reserve; check it, or split the tensor over more ranks or with counts="
@@ -241,16 +241,6 @@ def _blocks(length: int, size: int, counts: list[int] | None) -> list[int]:
             f"to the length {length} along the axis, got {counts}"
         )
     return counts
-
-
-def _size_text(nbytes: int) -> str:
-    """`nbytes` in words: ``4.00 TiB``."""
-    size, unit = float(nbytes), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if size < 1024 or unit == "EiB":
-            break
-        size /= 1024
-    return f"{nbytes} B" if unit == "B" else f"{size:.2f} {unit}"
 
 
 class _ScatterRecord(Record):

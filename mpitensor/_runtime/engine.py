@@ -47,7 +47,7 @@ from .check import (
 if TYPE_CHECKING:
     from .._core.protect import Protection
 
-__all__ = ["AGREE_STAGE", "REAP_AFTER", "STATES", "Engine", "Group", "Op", "Owner", "Stepper", "Waker"]
+__all__ = ["AGREE_STAGE", "REAP_AFTER", "STATES", "Engine", "Group", "Op", "Owner", "Stepper", "Waker", "size_text"]
 
 # Op states, in the order an op moves through them.
 CHECKING = 0  # the consistency check (or metadata exchange) is in flight
@@ -237,7 +237,7 @@ class Op:
 
     def describe(self) -> str:
         """The op for messages: name, size and group."""
-        return f"{self.name} of {_size_text(self.nbytes)} on group {self.group.describe()}"
+        return f"{self.name} of {size_text(self.nbytes)} on group {self.group.describe()}"
 
     @property
     def state_name(self) -> str:
@@ -245,8 +245,10 @@ class Op:
         return _STATE_NAMES[self.state]
 
 
-def _size_text(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+def size_text(nbytes: int) -> str:
+    """`nbytes` in words, for messages: ``32 B``, ``4.0 MiB``, ``256.0 TiB``."""
+    for unit, scale in (("EiB", 1 << 60), ("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20),
+                        ("KiB", 1 << 10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} B"

@@ -192,13 +192,13 @@ def test_a_shape_too_large_to_allocate_is_named_and_the_root_learns_of_it(module
     if ctx.rank == 0:
         with pytest.raises(mt.CollectiveMismatchError) as caught:
             mt.scatter(np.ones(ctx.size), 0).resolve()
-        assert "scatter failed on that rank: MemoryError: scatter: cannot allocate this rank's block of 256.00 TiB" \
+        assert "scatter failed on that rank: MemoryError: scatter: cannot allocate this rank's block of 256.0 TiB" \
             in str(caught.value), str(caught.value)
     else:
         with pytest.raises(MemoryError) as caught:
             mt.scatter(None, 0, shape=(length,), dtype=np.float64)
         assert str(caught.value) == (
-            f"scatter: cannot allocate this rank's block of 256.00 TiB ({1 << 45} of the {length} slices along "
+            f"scatter: cannot allocate this rank's block of 256.0 TiB ({1 << 45} of the {length} slices along "
             f"axis 0 of a float64 tensor of shape ({length},), from the shape= this rank passed). A non-root "
             "rank's shape= must be the root's whole shape (what the root splits), not a size to reserve; check "
             "it, or split the tensor over more ranks or with counts="
