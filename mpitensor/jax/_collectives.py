@@ -10,6 +10,7 @@ import numpy as np
 
 import mpitensor as mt
 
+from .._core.config import parse_op
 from . import _handler, _primitives, _rules
 
 Devices = Sequence[int] | None
@@ -128,12 +129,8 @@ for _primitive in (all_gather_p, reduce_scatter_p, all_to_all_p):
 
 
 def _op(op: mt.ReduceOperation | str) -> str:
-    name = op.value if isinstance(op, mt.ReduceOperation) else str(op).lower()
-    name = {"avg": "mean", "average": "mean"}.get(name, name)
-    if name not in {member.value for member in mt.ReduceOperation}:
-        choices = ", ".join(repr(member.value) for member in mt.ReduceOperation)
-        raise ValueError(f"unknown reduction {op!r}: use one of {choices} (or a mpitensor.ReduceOperation)")
-    return name
+    # The name, not the enum member, is the primitive's parameter: JAX hashes and prints it.
+    return parse_op(op).value
 
 
 def _devices(devices: Devices) -> tuple[int, ...] | None:

@@ -49,6 +49,8 @@ def register() -> None:
         ImportError: the compiled handler was not built (no C compiler at install).
     """
     global _registered
+    if _registered:  # every eager call comes here: no lock once it is done
+        return
     with _lock:
         if _registered:
             return

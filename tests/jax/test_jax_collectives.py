@@ -166,7 +166,7 @@ def test_a_closed_over_numpy_array_is_communicated_at_every_call(module_ctx):
 
 
 def test_bad_arguments_are_clear(module_ctx):
-    with pytest.raises(ValueError, match="unknown reduction 'median'"):
+    with pytest.raises(ValueError, match="unknown reduce operation 'median'"):
         mtj.all_reduce(jnp.ones(2), "median")
     with pytest.raises(TypeError, match="op='mean' needs a floating"):
         jax.jit(lambda v: mtj.all_reduce(v, "mean"))(jnp.ones(2, jnp.int32))
