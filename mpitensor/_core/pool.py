@@ -90,16 +90,22 @@ def leased_array(lease: Lease, nbytes: int, shape: tuple[int, ...], dtype: np.dt
 _new_array = np.ndarray.__new__
 
 
+_ALIGNMENT = 64
+
+
 def _new_block(size: int) -> Any:
-    """`size` bytes of NumPy-allocated memory, exposed through a ctypes array.
+    """`size` bytes of NumPy-allocated memory, 64-byte aligned, exposed through a ctypes array.
 
     NumPy's allocator, because MPI reduced into it up to 1.5x faster than into an mmap,
     a bytearray or a ctypes allocation of the same size (16 MiB on 2 ranks: Open MPI for
     all three, MPICH for the mmap); a ctypes array over it, because the lease made on it
     must not have an ndarray as its base (see `Lease`). The array keeps the memory alive.
+    Aligned to 64 bytes, because JAX takes a host buffer without a copy only so aligned
+    (the C allocator promises 16), and a result over a pooled block is handed to JAX.
     """
-    memory = np.empty(size, np.uint8)
-    block = (ctypes.c_char * size).from_address(memory.ctypes.data)
+    memory = np.empty(size + _ALIGNMENT - 1, np.uint8)
+    offset = -memory.ctypes.data % _ALIGNMENT
+    block = (ctypes.c_char * size).from_address(memory.ctypes.data + offset)
     block.memory = memory
     return block
 
