@@ -1,4 +1,4 @@
-"""The build of mpitensor's compiled parts: the small all-reduces' lane, the streaming sum, the JAX handler.
+"""The build of mpitensor's compiled parts: the small all-reduces' lane, the streaming sum, the trace ring, the JAX handler.
 
 The lane of repeated small all-reduces, and the shared-memory all-reduce's streaming sum:
 both are optional: where no C compiler is found (or a build fails), mpitensor installs
@@ -28,11 +28,19 @@ def _extensions() -> list[Extension]:
         Extension(
             "mpitensor._collectives.native._lanes",
             sources=[f"mpitensor/_collectives/native/{name}" for name in _SOURCES],
-            depends=["mpitensor/_collectives/native/native.h"],
-            include_dirs=[numpy.get_include()],
+            depends=["mpitensor/_collectives/native/native.h", "mpitensor/_runtime/tracing/native/ring_api.h"],
+            include_dirs=[numpy.get_include(), "mpitensor/_runtime/tracing/native"],
             # Strict IEEE arithmetic: the reductions must give NumPy's bits, never fused or reordered.
             extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"],
             libraries=["dl"],
+            optional=True,
+        ),
+        # The record of collectives that tracing keeps (DistributedConfig(trace=...)).
+        Extension(
+            "mpitensor._runtime.tracing._ring",
+            sources=["mpitensor/_runtime/tracing/native/ring.c"],
+            depends=["mpitensor/_runtime/tracing/native/ring_api.h"],
+            extra_compile_args=["-O2"],
             optional=True,
         ),
         # The XLA FFI handler of mpitensor.jax: built against the FFI's C header beside it,

@@ -51,6 +51,9 @@ from ._core.mpi import defer_finalize
 from ._core.tensor import Tensor, arange, as_tensor, empty, from_numpy, full, ones, tensor, zeros
 from ._runtime.context import DistributedContext, current_context
 from ._runtime.entry import collective_entry
+from ._runtime.tracing.exchange import set_gatherer as _set_gatherer
+from ._runtime.tracing.regions import trace_region
+from ._runtime.tracing.stragglers import TraceSummary
 
 all_reduce = with_lane(collective_entry("all_reduce")(_all_reduce.all_reduce))
 broadcast = collective_entry("broadcast")(_broadcast.broadcast)
@@ -66,6 +69,8 @@ exscan = collective_entry("exscan")(_scan.exscan)
 broadcast_object = collective_entry("broadcast_object")(_objects.broadcast_object)
 all_gather_object = collective_entry("all_gather_object")(_objects.all_gather_object)
 gather_object = collective_entry("gather_object")(_objects.gather_object)
+# ctx.trace_summary() gathers the ranks' records through the checked all-gather.
+_set_gatherer(lambda obj: all_gather_object(obj).resolve())
 
 __version__ = "0.1.0"
 
@@ -87,6 +92,7 @@ __all__ = [
     "Tensor",
     "TensorInFlightError",
     "ThreadMisuseError",
+    "TraceSummary",
     "TracedArrayError",
     "__version__",
     "all_gather",
@@ -114,5 +120,6 @@ __all__ = [
     "scatter",
     "send",
     "tensor",
+    "trace_region",
     "zeros",
 ]

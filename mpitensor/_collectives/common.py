@@ -22,6 +22,7 @@ from .._core.tensor import Tensor, array_of
 from .._runtime.check import Record
 from .._runtime.context import DistributedContext
 from .._runtime.engine import COMPLETE, FAILED, Group, Op
+from .._runtime.tracing.ring import RESOLVED
 from .._transport.reduction import finish_reduction, reduction_buffers, reduction_input
 
 __all__ = [
@@ -76,6 +77,8 @@ class CollectiveTensor:
             timeout = timeout_arg(timeout, ctx)
         if op.state == COMPLETE and (self._resolved or not ctx.closed):
             self._resolved = True
+            if op.trace is not None:
+                op.trace.mark(RESOLVED)
             if isinstance(self._value, Later):
                 self._value = self._value.settle(op.result)
             return self._value
@@ -89,6 +92,8 @@ class CollectiveTensor:
             )
         ctx.engine.wait(op, ctx.timeout if timeout is None else timeout)
         self._resolved = True
+        if op.trace is not None:
+            op.trace.mark(RESOLVED)
         if isinstance(self._value, Later):
             self._value = self._value.settle(op.result)
         return self._value

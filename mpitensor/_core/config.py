@@ -108,6 +108,12 @@ class DistributedConfig:
             large messages; ``None`` decides by size and topology.
         fail_fast: while a context is open, an exception that escapes on any rank prints
             its traceback (prefixed with the rank) and aborts the whole job.
+        trace: record a timeline of every collective and `trace_region` and, when the
+            context closes, write it to this path as one Chrome/Perfetto trace of every
+            rank (``python -m mpitensor trace PATH`` reports who made the others wait).
+            ``None`` reads ``MPITENSOR_TRACE``; empty there means no tracing.
+        trace_events: collectives (and as many regions) each rank keeps, the last ones;
+            0 keeps the whole run.
 
     Raises:
         ValueError: a setting is out of range.
@@ -123,6 +129,8 @@ class DistributedConfig:
     cuda_aware: bool | Literal["all"] | None = None
     shared_memory: bool | None = None
     fail_fast: bool = True
+    trace: str | os.PathLike[str] | None = None
+    trace_events: int = 16384
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "all_reduce_op", parse_op(self.all_reduce_op))
@@ -136,6 +144,16 @@ class DistributedConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or None, got {self.device!r}")
         if not (self.cuda_aware is None or isinstance(self.cuda_aware, bool) or self.cuda_aware == "all"):
             raise ValueError(f"cuda_aware must be True, False, 'all' or None, got {self.cuda_aware!r}")
+        if not (self.trace is None or isinstance(self.trace, (str, os.PathLike))):
+            raise ValueError(f"trace must be a file path or None, got {self.trace!r}")
+        if isinstance(self.trace_events, bool) or not isinstance(self.trace_events, int) or self.trace_events < 0:
+            raise ValueError(f"trace_events must be an int >= 0 (0 keeps every event), got {self.trace_events!r}")
+
+    def resolved_trace(self) -> str | None:
+        """The trace file in force: `trace`, else ``MPITENSOR_TRACE`` when set and not empty, else None."""
+        if self.trace is not None:
+            return os.fspath(self.trace)
+        return os.environ.get("MPITENSOR_TRACE", "").strip() or None
 
     def resolved_timeout(self) -> float | None:
         """The timeout in force: `timeout`, else ``MPITENSOR_TIMEOUT``, else ``None``.

@@ -29,6 +29,9 @@ from .check import CLOSE_KIND, Record
 from .diagnosis import Diagnosis
 from .engine import OVERSUBSCRIBED_SPIN_PAUSES, SPIN_PAUSES, Engine, Group
 from .progress import ProgressThread
+from .tracing.exchange import gatherer
+from .tracing.session import TraceSession
+from .tracing.stragglers import TraceSummary
 
 __all__ = ["DevicesArg", "DistributedContext", "current_context"]
 
@@ -166,8 +169,10 @@ class DistributedContext:
         self._local_ranks = tuple(row[3] for row in everyone)
         self._device = self._devices[self._rank]
         self.cpu_device = self._device if device.kind == "cpu" else Device("cpu", 0, world_rank)
+        self.trace = self._open_trace(config, thread_level)
         self._open_groups(comm)
         self.engine = Engine(self)
+        self.engine.tracer = None if self.trace is None else self.trace.tracer
         self.pool = _host_pool
         self.diagnosis = Diagnosis(self) if config.check and self._size > 1 else None
         spare = self._spare_cores() if self._size > 1 else 0
@@ -178,6 +183,23 @@ class DistributedContext:
         _state.push(self)
         if config.fail_fast:
             _failfast.arm()
+
+    def _open_trace(self, config: DistributedConfig, thread_level: int) -> TraceSession | None:
+        """The context's trace when it is asked for (collective: the clocks' offsets are measured)."""
+        path = config.resolved_trace()
+        if path is None:
+            return None
+        try:
+            session = TraceSession(
+                path, config.trace_events, self._comm, self._world_ranks, self._host, config.check,
+                thread_level >= MPI.THREAD_MULTIPLE,
+            )  # fmt: skip
+        except ValueError:
+            self._local_comm.Free()
+            self._comm.Free()
+            raise
+        _failfast.on_abort(session.alarm)
+        return session
 
     def _open_groups(self, comm: Any) -> None:
         """The whole context's group, the point-to-point group and the diagnosis communicator."""
@@ -294,6 +316,7 @@ class DistributedContext:
         # A broken context keeps its communicators (a collective stuck on them is still in
         # flight), but its progress thread has nothing left to do.
         self._stop_progress()
+        self._close_trace(merge=self._broken is None)
         if self._broken is None:
             self._free()
         self.closed = True
@@ -323,6 +346,10 @@ class DistributedContext:
         self.closed = True
         self.usable = False
         self._stop_progress()
+        if self.trace is not None:
+            # Its part now; the flight recorder stays armed, so that the abort an uncaught
+            # exception leads to asks the peers for theirs.
+            self.trace.write_part()
         self.engine.progress()
         if self.engine.busy():
             _abandoned.append(self.engine)
@@ -340,6 +367,7 @@ class DistributedContext:
         sys.stdout.flush()
         sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] mpitensor: ctx.abort({errorcode}) called\n")
         sys.stderr.flush()
+        _failfast.run_before_abort()
         _failfast.release_job_files()
         MPI.COMM_WORLD.Abort(errorcode)
         # MPI_Abort may return before the launcher ends this process (seen with MPICH on a
@@ -354,6 +382,35 @@ class DistributedContext:
             mine = list(range(os.cpu_count() or 1))
         usable = set().union(*self._local_comm.allgather(mine))
         return len(usable) - self._local_size
+
+    def _close_trace(self, merge: bool) -> None:
+        """Write the trace (merged, or this rank's part) and stop recording."""
+        session, self.trace = self.trace, None
+        if session is not None:
+            _failfast.forget_abort(session.alarm)
+            session.close(self._comm, merge)
+            self.engine.tracer = None
+
+    def trace_summary(self) -> TraceSummary:
+        """Which ranks made the others wait so far: the straggler summary of every rank's trace.
+
+        Collective: every rank of the context calls it (it gathers the ranks' records),
+        for example every N steps, to log `TraceSummary.text()`.
+
+        Returns:
+            The summary (the same on every rank).
+
+        Raises:
+            RuntimeError: the context does not trace (set ``DistributedConfig(trace=PATH)``
+                or ``MPITENSOR_TRACE``).
+            CollectiveMismatchError: the ranks did not all call it at this point.
+        """
+        if self.trace is None:
+            raise RuntimeError(
+                "trace_summary() needs a traced context: open it with DistributedConfig(trace=PATH) "
+                "or set MPITENSOR_TRACE=PATH"
+            )
+        return self.trace.summary(gatherer())
 
     def _stop_progress(self) -> None:
         thread = self.engine.progress_thread
@@ -408,6 +465,8 @@ class DistributedContext:
             self._broken = reason
             self.usable = False
             _mpi.note_broken(reason.partition(":")[0])
+            if self.trace is not None:
+                self.trace.write_part()  # the flight recorder: this context can no longer merge
 
     # -- groups -------------------------------------------------------------------------------
 

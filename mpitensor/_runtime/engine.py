@@ -43,9 +43,11 @@ from .check import (
     departure_error,
     mismatch_error,
 )
+from .tracing.ring import AGREED, MOMENT_COMPLETE
 
 if TYPE_CHECKING:
     from .._core.protect import Protection
+    from .tracing.tracer import Tracer
 
 __all__ = ["AGREE_STAGE", "REAP_AFTER", "STATES", "Engine", "Group", "Op", "Owner", "Stepper", "Waker", "size_text"]
 
@@ -199,6 +201,7 @@ class Op:
         "seq",
         "state",
         "stepper",
+        "trace",
     )
 
     def __init__(
@@ -231,6 +234,7 @@ class Op:
         self.state = QUEUED
         self.result: Any = None
         self.error: BaseException | None = None
+        self.trace: Any = None  # its span in the trace's ring, when the context traces
         # check_req, check_send, check_recv, check_stage, seq and gathered are set when
         # the check is posted: most ops (no check, or a small unchecked all-reduce) never
         # need them, and every assignment costs on the path of the smallest messages.
@@ -307,6 +311,7 @@ class Engine:
         self.checks_posted = 0  # on every group, for the failed turns of `_entry`
         self.progress_thread: Waker | None = None
         self.spin_pauses = SPIN_PAUSES  # see `Backoff`; the context sets it for its node
+        self.tracer: Tracer | None = None  # records every op submitted, when the context traces
 
     # -- starting ----------------------------------------------------------------------
 
@@ -326,6 +331,8 @@ class Engine:
             ctx.ensure_usable()
         if self._owned():
             raise self.reentered(op.name)
+        if self.tracer is not None:
+            op.trace = self.tracer.begin(op)
         group = op.group
         lock = self.lock
         # acquire/release rather than `with`: half the cost, on the path of every call.
@@ -591,11 +598,15 @@ class Engine:
     def _check_passed(self, op: Op) -> None:
         op.state = QUEUED
         op.check_req = None
+        if op.trace is not None:
+            op.trace.mark(AGREED)
 
     def _fail(self, op: Op) -> None:
         op.state = FAILED
         op.check_req = None
         self._release(op)
+        if op.trace is not None:
+            op.trace.mark(MOMENT_COMPLETE)
 
     def _post_data(self, op: Op) -> None:
         try:
@@ -617,6 +628,8 @@ class Engine:
             self.stepping += 1
             if getattr(started, "holding", False):
                 op.group.holder = started
+        if op.trace is not None:
+            self.tracer.posted(op)
         if op.requests or op.stepper is not None:
             op.state = POSTED
             self.posted.append(op)
@@ -729,6 +742,8 @@ class Engine:
         return ContextBrokenError(message)
 
     def _complete(self, op: Op) -> None:
+        if op.trace is not None:
+            op.trace.mark(MOMENT_COMPLETE)
         op.requests = []
         if op.stepper is not None:
             op.stepper = None

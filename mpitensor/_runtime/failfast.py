@@ -14,16 +14,39 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
 
 from .._core import shm_cleanup as _shm_cleanup
 from .._core import state as _state
 from .._core.mpi import MPI
 
-__all__ = ["arm", "disarm_left_contexts", "note_left_by_exception", "release_job_files"]
+__all__ = ["arm", "disarm_left_contexts", "forget_abort", "note_left_by_exception", "on_abort", "release_job_files"]
 
 _previous_hook = None
 _left_by_exception = 0
+_before_abort: list[Callable[[], None]] = []  # the traces' flight recorders
+
+
+def on_abort(callback: Callable[[], None]) -> None:
+    """Call `callback` (which must not raise) before fail-fast or ``ctx.abort()`` ends the job."""
+    _before_abort.append(callback)
+
+
+def forget_abort(callback: Callable[[], None]) -> None:
+    """Stop calling `callback` before an abort (its trace was written)."""
+    if callback in _before_abort:
+        _before_abort.remove(callback)
+
+
+def run_before_abort() -> None:
+    """Run the callbacks `on_abort` registered (each at most once; never raises)."""
+    while _before_abort:
+        callback = _before_abort.pop()
+        try:
+            callback()
+        except Exception as exc:  # the job is ending: report, and go on aborting
+            sys.stderr.write(f"mpitensor: before aborting, {callback!r} failed: {exc}\n")
 
 
 def arm() -> None:
@@ -80,8 +103,10 @@ def _excepthook(
         "aborting the job (MPI_Abort) so that the other ranks do not wait forever"
     )
     try:
-        release_job_files()
         sys.stderr.write("\n".join(lines) + "\n")
+        sys.stderr.flush()
+        run_before_abort()
+        release_job_files()
         sys.stderr.flush()
         sys.stdout.flush()
         # MPICH's Hydra kills every rank as soon as one aborts; give its proxy a moment to

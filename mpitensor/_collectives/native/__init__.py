@@ -220,6 +220,13 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
     rows = _lanes.rows_kind(array.dtype.num, _OP_CODES[record.op]) if checked else 0
     if rows < 0:
         return None
+    tracer = lane.ctx.engine.tracer
+    trace = None
+    if tracer is not None:
+        ring, kind, group_key = tracer.lane_arguments()
+        if not isinstance(ring, _ring_type()):
+            return None  # a ring in Python: the Python lanes record into it
+        trace = (ring, kind, group_key(group))
     done = Op("all_reduce", group, array.nbytes, lambda: [], record=record)
     done.state = COMPLETE  # the op that calls completed at once share: nothing is left to do
     return _lanes.Lane(
@@ -228,7 +235,16 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
         divide=plan.divide, record=record, value=0 if record is None else record.check_value(),
         per_rank=CARRIED if checked else 0 if record is None else record.per_rank, rows=rows,
         spins=lane.ctx.engine.check_spins(),
-        queued_post=(reduce_carried if checked else in_place, group.comm, plan), done_op=done,
+        queued_post=(reduce_carried if checked else in_place, group.comm, plan), done_op=done, trace=trace,
     )
+
+
+def _ring_type() -> type:
+    """The compiled trace ring's class (a class nothing is an instance of, where it is not built)."""
+    try:
+        from ..._runtime.tracing._ring import Ring
+    except ImportError:
+        return type(None)
+    return Ring
 
 

@@ -93,6 +93,7 @@ static int complete(PyObject *op) {
         slot_steal(op, layout.op_result, result);
     }
     slot_set(op, layout.op_state, consts.states[COMPLETE]);
+    trace_mark(op, RING_COMPLETE);
     return 0;
 }
 
@@ -201,6 +202,7 @@ static PyObject *resolved_value(PyObject *self, PyObject *op) {
         value = settled;
     }
     slot_set(self, layout.handle_resolved, Py_True);
+    trace_mark(op, RING_RESOLVED);
     return Py_NewRef(value);
 }
 

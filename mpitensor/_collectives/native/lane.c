@@ -48,6 +48,9 @@ typedef struct {
     unsigned long owner;
     long long value, per_rank;
     PyObject *send, *recv, *request; /* the check's buffers and request, reused while no op holds them */
+    PyObject *ring;                   /* the context's trace ring, or NULL where it does not trace */
+    int32_t trace_kind;
+    int64_t trace_group;
 } Lane;
 
 /* ---- helpers ------------------------------------------------------------------------------ */
@@ -107,6 +110,7 @@ static PyObject *make_op(Lane *lane, int state, PyObject *record, PyObject *fini
     slot_set(op, layout.op_state, consts.states[state]);
     slot_set(op, layout.op_result, Py_None);
     slot_set(op, layout.op_error, Py_None);
+    slot_set(op, layout.op_trace, Py_None);
     if (slot_steal(op, layout.op_requests, PyList_New(0)) < 0) {
         Py_DECREF(op);
         return NULL;
@@ -314,6 +318,14 @@ static void lost_check(Lane *lane) {
     pending_restore(pending);
 }
 
+/* Record that `op`'s data was posted now (or, carried in its check, is there), and how. */
+static void trace_posted(PyObject *op, int32_t transport) {
+    PyObject *span = SLOT(op, layout.op_trace);
+    if (span == Py_None || ring_api == NULL) return;
+    ring_api->mark(span, RING_POSTED);
+    ring_api->transport(span, transport);
+}
+
 /* ---- a call ------------------------------------------------------------------------------ */
 
 /* What a call holds: made before anything is posted, so that once MPI has the call only the
@@ -408,6 +420,10 @@ static PyObject *call_run(Lane *lane, Call *call) {
     int idle = posted == NULL ? -1 : group_idle(lane, checked);
     /* Beyond `reap_after` ops in flight the Python path reaps the oldest (and holds back). */
     if (idle > 0 && (!PyList_Check(posted) || PyList_GET_SIZE(posted) >= consts.reap_after)) idle = 0;
+    if (idle > 0 && lane->ring != NULL &&
+        slot_steal(call->op, layout.op_trace,
+                   ring_api->begin(lane->ring, lane->trace_kind, lane->trace_group, lane->nbytes, lane->type_num)) < 0)
+        idle = -1; /* out of memory: nothing is posted */
     if (idle > 0 && checked) {
         /* From the check's post to its op's place in the queue, no collection: a finalizer it
          * ran would be Python code, in which a signal handler could run. */
@@ -415,6 +431,7 @@ static PyObject *call_run(Lane *lane, Call *call) {
         agreed = check_at_once(lane, PyByteArray_AS_STRING(call->send), PyByteArray_AS_STRING(call->recv),
                                mpi_request_slot(call->check_request), &seq);
         if (agreed >= 0) slot_set(call->op, layout.op_seq, seq);
+        if (agreed > 0) trace_mark(call->op, RING_AGREED);
         if (agreed == 0) {
             queued = queue_op(lane, call->op, seq, call->send, call->recv, call->check_request, call->out) < 0 ? -1 : 1;
             if (queued < 0) lost_check(lane);
@@ -424,11 +441,14 @@ static PyObject *call_run(Lane *lane, Call *call) {
     int done = idle;
     if (idle > 0 && agreed > 0 && lane->kind == LANE_COPY) {
         done = post_data(lane, call, posted);
+        if (done > 0) trace_posted(call->op, RING_MPI);
     } else if (idle > 0 && agreed > 0) {
+        trace_posted(call->op, RING_CHECK);
         rows_reduce(lane->rows_kind, PyArray_DATA((PyArrayObject *)call->out), PyByteArray_AS_STRING(call->recv),
                     lane->size, consts.row_bytes, consts.header_bytes, lane->count);
         if (lane->divide)
             divide_in_place(lane->type_num, PyArray_DATA((PyArrayObject *)call->out), lane->count, lane->size);
+        trace_mark(call->op, RING_COMPLETE);
         slot_set(call->handle, layout.handle_op, lane->done_op); /* nothing is left to do */
     }
     engine_unlock(lane->release);
@@ -512,7 +532,7 @@ static PyObject *Lane_start(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static const char *lane_keywords[] = {
     "kind", "ctx", "group", "op_key", "template", "datatype", "mpi_op", "divide", "record", "value", "per_rank",
-    "rows", "spins", "queued_post", "done_op", NULL};
+    "rows", "spins", "queued_post", "done_op", "trace", NULL};
 
 /* Where `queued_post` is (start, comm, plan) and functools' partial can be had; 0, or -1 with an error set. */
 static int take_post(Lane *lane, PyObject *queued_post) {
@@ -531,19 +551,42 @@ static int take_post(Lane *lane, PyObject *queued_post) {
     return 0;
 }
 
+/* Where `trace` is (ring, kind code, group key) of the context's compiled ring, or None; 0, or -1 with an error. */
+static int take_trace(Lane *lane, PyObject *trace) {
+    if (trace == Py_None) return 0;
+    if (!PyTuple_CheckExact(trace) || PyTuple_GET_SIZE(trace) != 3) {
+        PyErr_SetString(PyExc_TypeError, "trace is (ring, kind, group) or None");
+        return -1;
+    }
+    if (ring_api_load() < 0) return -1;
+    PyObject *ring = PyTuple_GET_ITEM(trace, 0);
+    if (!Py_IS_TYPE(ring, ring_api->ring_type)) {
+        PyErr_SetString(PyExc_TypeError, "a lane records in the compiled trace ring only");
+        return -1;
+    }
+    long long kind = PyLong_AsLongLong(PyTuple_GET_ITEM(trace, 1));
+    long long group = kind == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(PyTuple_GET_ITEM(trace, 2));
+    if (PyErr_Occurred()) return -1;
+    lane->trace_kind = (int32_t)kind;
+    lane->trace_group = group;
+    lane->ring = Py_NewRef(ring);
+    return 0;
+}
+
 static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     Lane *lane = (Lane *)self;
-    PyObject *ctx, *group, *op_key, *template, *datatype, *mpi_op, *record, *queued_post, *done_op;
+    PyObject *ctx, *group, *op_key, *template, *datatype, *mpi_op, *record, *queued_post, *done_op, *trace = Py_None;
     int divide;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOO", (char **)lane_keywords, &lane->kind, &ctx,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOO", (char **)lane_keywords, &lane->kind, &ctx,
                                      &group, &op_key, &PyArray_Type, &template, &datatype, &mpi_op, &divide,
                                      &record, &lane->value, &lane->per_rank, &lane->rows_kind, &lane->spins,
-                                     &queued_post, &done_op))
+                                     &queued_post, &done_op, &trace))
         return -1;
     if (lane->ctx != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a lane is made once");
         return -1;
     }
+    if (take_trace(lane, trace) < 0) return -1;
     if (!consts.bound || (lane->kind != LANE_COPY && lane->kind != LANE_CHECK)) {
         PyErr_SetString(PyExc_RuntimeError, "the native module is not bound, or the lane's kind is unknown");
         return -1;
@@ -627,6 +670,7 @@ static int Lane_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(lane->acquire);
     Py_VISIT(lane->release);
     Py_VISIT(lane->request);
+    Py_VISIT(lane->ring);
     return 0;
 }
 
@@ -651,6 +695,7 @@ static int Lane_clear(PyObject *self) {
     Py_CLEAR(lane->send);
     Py_CLEAR(lane->recv);
     Py_CLEAR(lane->request);
+    Py_CLEAR(lane->ring);
     return 0;
 }
 
@@ -667,7 +712,7 @@ static PyMethodDef Lane_methods[] = {
 
 PyDoc_STRVAR(Lane_doc,
 "Lane(*, kind, ctx, group, op_key, template, datatype, mpi_op, divide, record, value, per_rank, rows,\n"
-"     spins, queued_post, done_op)\n--\n\n"
+"     spins, queued_post, done_op, trace)\n--\n\n"
 "The compiled lane of one kind of all-reduce (see native/__init__.py's `compiled_lane`).\n\n"
 "kind: COPY (MPI in place on a copy, after the check where there is a record) or CHECK (the\n"
 "input carried in the check). template: an array of the kind's dtype and shape. datatype,\n"
@@ -676,7 +721,8 @@ PyDoc_STRVAR(Lane_doc,
 "reduces carried rows (`rows_kind`). spins: tests of a check before it is queued.\n"
 "queued_post: (start, comm, plan), the op's post when its check is queued being\n"
 "partial(start, comm, out, [payload,] plan) (`reduce_carried` or `in_place`). done_op: the completed op\n"
-"that carried calls completed at the call share.");
+"that carried calls completed at the call share. trace: (ring, kind code, group key) where the\n"
+"context traces (each call is recorded in that compiled ring), else None.");
 
 PyTypeObject LaneType = {
     PyVarObject_HEAD_INIT(NULL, 0)

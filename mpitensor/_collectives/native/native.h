@@ -53,7 +53,7 @@ typedef struct {
     /* Op */
     Py_ssize_t op_name, op_group, op_nbytes, op_post, op_finish, op_record, op_keep, op_protections,
         op_exchange, op_compare, op_payload, op_requests, op_stepper, op_state, op_result, op_error,
-        op_check_req, op_check_send, op_check_recv, op_check_stage, op_seq;
+        op_check_req, op_check_send, op_check_recv, op_check_stage, op_seq, op_trace;
     /* Tensor */
     Py_ssize_t tensor_array, tensor_device;
     /* CollectiveTensor */
@@ -81,6 +81,16 @@ static inline int slot_steal(PyObject *object, Py_ssize_t offset, PyObject *valu
     SLOT(object, offset) = value;
     Py_XDECREF(old);
     return 0;
+}
+
+/* The trace ring's functions (ring_api.h), once a lane of a traced context was made; NULL before. */
+#include "ring_api.h"
+extern const RingApi *ring_api;
+int ring_api_load(void);
+/* Record moment `field` of `op` where it is traced (its `trace` slot holds a span). */
+static inline void trace_mark(PyObject *op, int field) {
+    PyObject *span = SLOT(op, layout.op_trace);
+    if (span != NULL && span != Py_None && ring_api != NULL) ring_api->mark(span, field);
 }
 
 /* ---- constants the Python side gives at bind time (module.c) --------------------------- */

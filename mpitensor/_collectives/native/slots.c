@@ -11,6 +11,13 @@
 #include <structmember.h>
 
 Layout layout;
+const RingApi *ring_api;
+
+/* The trace ring's functions, from its module's capsule; 0, or -1 with an error set. */
+int ring_api_load(void) {
+    if (ring_api == NULL) ring_api = PyCapsule_Import("mpitensor._runtime.tracing._ring._C_API", 0);
+    return ring_api == NULL ? -1 : 0;
+}
 
 static int descriptor_offset(PyObject *descriptor, Py_ssize_t *out) {
     int ok = Py_IS_TYPE(descriptor, &PyMemberDescr_Type) &&
@@ -79,6 +86,7 @@ int slots_bind(PyObject *op_class, PyObject *tensor_class, PyObject *tensor_fiel
     OFFSET(op_class, op_check_recv, "check_recv");
     OFFSET(op_class, op_check_stage, "check_stage");
     OFFSET(op_class, op_seq, "seq");
+    OFFSET(op_class, op_trace, "trace");
     Py_ssize_t *const tensor[] = {&layout.tensor_array, &layout.tensor_device};
     Py_ssize_t *const handle[] = {&layout.handle_op, &layout.handle_value, &layout.handle_ctx,
                                   &layout.handle_resolved};

@@ -1,0 +1,79 @@
+"""The flight recorder: at a fault, every rank that still can writes its last events.
+
+A rank that raises under fail-fast is about to end the job (``MPI_Abort``), and its peers
+die with it, most of them waiting inside a collective. Before aborting, that rank asks each
+peer to write its part of the trace, and waits a moment for their answers. Each rank's
+listener thread waits for such a request beside the program (it tests a posted receive
+every `POLL_S` seconds, on a communicator of its own), so a peer answers even while its main
+thread waits in a collective. Needs ``MPI_THREAD_MULTIPLE``; without it each rank writes its
+own part only when it faults itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..._core.mpi import MPI
+
+__all__ = ["POLL_S", "FlightRecorder"]
+
+POLL_S = 0.02
+ANSWER_S = 3.0  # how long the faulting rank waits for its peers' parts
+_ASK, _ANSWER = 0x7AC4, 0x7AC5
+_WRITE, _STOP = 1, 2
+
+
+class FlightRecorder:
+    """Writes this rank's part of the trace when this rank or a peer faults.
+
+    Args:
+        comm: the context's communicator (duplicated here; freed by `stop`).
+        write_part: writes this rank's part (never raises).
+    """
+
+    def __init__(self, comm: Any, write_part: Callable[[], None]) -> None:
+        self._comm = comm.Dup()
+        self._write_part = write_part
+        self._message = np.zeros(1, np.int64)
+        self._request = self._comm.Irecv(self._message, source=MPI.ANY_SOURCE, tag=_ASK)
+        self._thread = threading.Thread(target=self._listen, name="mpitensor-flight-recorder", daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        status = MPI.Status()
+        while True:
+            if not self._request.Test(status):
+                time.sleep(POLL_S)
+                continue
+            if int(self._message[0]) == _STOP:
+                return
+            self._write_part()
+            self._comm.Send(np.zeros(1, np.int64), dest=status.Get_source(), tag=_ANSWER)
+            self._request = self._comm.Irecv(self._message, source=MPI.ANY_SOURCE, tag=_ASK)
+
+    def alarm(self) -> None:
+        """Write this rank's part and ask every peer to write theirs (waits `ANSWER_S` at most)."""
+        self._write_part()
+        rank, size = self._comm.Get_rank(), self._comm.Get_size()
+        peers = [p for p in range(size) if p != rank]
+        ask = np.array([_WRITE], np.int64)
+        answers = [np.zeros(1, np.int64) for _ in peers]
+        requests = [self._comm.Isend(ask, dest=p, tag=_ASK) for p in peers]
+        requests += [self._comm.Irecv(a, source=p, tag=_ANSWER) for a, p in zip(answers, peers)]
+        deadline = time.monotonic() + ANSWER_S
+        while not MPI.Request.Testall(requests) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        """End the listener (its receive is matched by a message to itself) and free the communicator."""
+        if not self._thread.is_alive():
+            return
+        stop = np.array([_STOP], np.int64)
+        self._comm.Send(stop, dest=self._comm.Get_rank(), tag=_ASK)
+        self._thread.join()
+        self._comm.Free()
