@@ -111,7 +111,7 @@ class DistributedConfig:
         trace: record a timeline of every collective and `trace_region` and, when the
             context closes, write it to this path as one Chrome/Perfetto trace of every
             rank (``python -m mpitensor trace PATH`` reports who made the others wait).
-            ``None`` reads ``MPITENSOR_TRACE``; empty there means no tracing.
+            ``None`` reads ``MPITENSOR_TRACE``; an empty path (here or there) means no tracing.
         trace_events: collectives (and as many regions) each rank keeps, the last ones;
             0 keeps the whole run.
 
@@ -150,9 +150,9 @@ class DistributedConfig:
             raise ValueError(f"trace_events must be an int >= 0 (0 keeps every event), got {self.trace_events!r}")
 
     def resolved_trace(self) -> str | None:
-        """The trace file in force: `trace`, else ``MPITENSOR_TRACE`` when set and not empty, else None."""
+        """The trace file in force: `trace`, else ``MPITENSOR_TRACE``; None for no tracing (also for an empty path)."""
         if self.trace is not None:
-            return os.fspath(self.trace)
+            return os.fspath(self.trace) or None
         return os.environ.get("MPITENSOR_TRACE", "").strip() or None
 
     def resolved_timeout(self) -> float | None:

@@ -908,6 +908,8 @@ class Engine:
             op.requests = []
             op.keep = ()
             op.state = COMPLETE
+            if op.trace is not None:
+                op.trace.mark(MOMENT_COMPLETE)
         else:
             self._complete(op)
 

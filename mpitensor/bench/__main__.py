@@ -1,4 +1,4 @@
-"""``python -m mpitensor.bench [all|sweep|...|torch|jax|report] ...`` (under mpiexec, but report).
+"""``python -m mpitensor.bench [all|sweep|...|torch|jax|tracing|report] ...`` (under mpiexec, but report).
 
 Examples::
 
@@ -9,6 +9,7 @@ Examples::
     mpiexec -n 2 python -m mpitensor.bench collectives          # gather, scatter, scans, objects
     mpiexec -n 4 python -m mpitensor.bench torch                # DataParallel against torch DDP
     mpiexec -n 2 python -m mpitensor.bench jax                  # mpitensor.jax against mpi4jax
+    mpiexec -n 2 python -m mpitensor.bench tracing              # tracing on against off
     python -m mpitensor.bench report bench-results/*.json       # the targets table
 """
 
@@ -29,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="all",
                         choices=["all", "sweep", "overlap", "fused", "interop", "collectives", "torch", "jax",
-                                 "report"],
+                                 "tracing", "report"],
                         help="what to run (default: all; torch's row runs where torch is installed)")
     parser.add_argument("files", nargs="*", help="report: the JSON files of the runs")
     parser.add_argument("--sizes", default="8:64M", help="sweep sizes: 'LOW:HIGH' powers of two or a list (8:64M)")
@@ -157,6 +158,11 @@ def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], over
 
         say("jax: mpitensor.jax inside jax.jit against mpi4jax")
         out.publish("jax", run_jax(progress=say), format_jax)
+    if args.command == "tracing":
+        from .tracing import format_tracing, run_tracing
+
+        say("tracing: a checked all-reduce traced against untraced")
+        out.publish("tracing", run_tracing(progress=say), format_tracing)
 
 
 def _has_torch() -> bool:

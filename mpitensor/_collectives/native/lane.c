@@ -318,14 +318,6 @@ static void lost_check(Lane *lane) {
     pending_restore(pending);
 }
 
-/* Record that `op`'s data was posted now (or, carried in its check, is there), and how. */
-static void trace_posted(PyObject *op, int32_t transport) {
-    PyObject *span = SLOT(op, layout.op_trace);
-    if (span == Py_None || ring_api == NULL) return;
-    ring_api->mark(span, RING_POSTED);
-    ring_api->transport(span, transport);
-}
-
 /* ---- a call ------------------------------------------------------------------------------ */
 
 /* What a call holds: made before anything is posted, so that once MPI has the call only the
@@ -337,6 +329,28 @@ typedef struct {
     PyObject *request;   /* the data's request (inside the op's requests) */
     PyObject *send, *recv, *check_request; /* the check's, when the call is checked (borrowed from the lane) */
 } Call;
+
+/* Where the context traces: a call of this lane called at `called` gets its span (the op's
+ * `trace`); 0, or -1 with an error set (memory ran out). */
+static int trace_begin(Lane *lane, Call *call, int64_t called) {
+    if (lane->ring == NULL) return 0;
+    PyObject *span = ring_api->begin(lane->ring, lane->trace_kind, lane->trace_group, lane->nbytes, lane->type_num,
+                                     called);
+    return slot_steal(call->op, layout.op_trace, span);
+}
+
+/* Record that the call's data was posted now by MPI, or (`carried`) came in its check, which agreed now. */
+static void trace_posted(Lane *lane, Call *call, int64_t called, int carried) {
+    if (lane->ring == NULL) return;
+    if (carried) {
+        /* No span: the handle shares the done op, and nothing is left to record. */
+        if (ring_api->carried_event(lane->ring, lane->trace_kind, lane->trace_group, lane->nbytes, lane->type_num,
+                                    called) < 0)
+            PyErr_Clear(); /* memory ran out: the call went through, only its record is lost */
+        return;
+    }
+    ring_api->posted(SLOT(call->op, layout.op_trace), RING_MPI);
+}
 
 static void call_clear(Call *call) {
     Py_CLEAR(call->out);
@@ -420,9 +434,9 @@ static PyObject *call_run(Lane *lane, Call *call) {
     int idle = posted == NULL ? -1 : group_idle(lane, checked);
     /* Beyond `reap_after` ops in flight the Python path reaps the oldest (and holds back). */
     if (idle > 0 && (!PyList_Check(posted) || PyList_GET_SIZE(posted) >= consts.reap_after)) idle = 0;
-    if (idle > 0 && lane->ring != NULL &&
-        slot_steal(call->op, layout.op_trace,
-                   ring_api->begin(lane->ring, lane->trace_kind, lane->trace_group, lane->nbytes, lane->type_num)) < 0)
+    int64_t called = lane->ring == NULL ? 0 : ring_api->now();
+    /* A carried call gets its span only if it is queued: at once, its record is written whole. */
+    if (idle > 0 && lane->kind == LANE_COPY && trace_begin(lane, call, called) < 0)
         idle = -1; /* out of memory: nothing is posted */
     if (idle > 0 && checked) {
         /* From the check's post to its op's place in the queue, no collection: a finalizer it
@@ -431,7 +445,9 @@ static PyObject *call_run(Lane *lane, Call *call) {
         agreed = check_at_once(lane, PyByteArray_AS_STRING(call->send), PyByteArray_AS_STRING(call->recv),
                                mpi_request_slot(call->check_request), &seq);
         if (agreed >= 0) slot_set(call->op, layout.op_seq, seq);
-        if (agreed > 0) trace_mark(call->op, RING_AGREED);
+        if (agreed > 0 && lane->kind == LANE_COPY) trace_mark(call->op, RING_AGREED);
+        if (agreed == 0 && lane->kind == LANE_CHECK && trace_begin(lane, call, called) < 0)
+            PyErr_Clear(); /* memory ran out: the call goes on, unrecorded (its check is posted) */
         if (agreed == 0) {
             queued = queue_op(lane, call->op, seq, call->send, call->recv, call->check_request, call->out) < 0 ? -1 : 1;
             if (queued < 0) lost_check(lane);
@@ -441,14 +457,13 @@ static PyObject *call_run(Lane *lane, Call *call) {
     int done = idle;
     if (idle > 0 && agreed > 0 && lane->kind == LANE_COPY) {
         done = post_data(lane, call, posted);
-        if (done > 0) trace_posted(call->op, RING_MPI);
+        if (done > 0) trace_posted(lane, call, called, 0);
     } else if (idle > 0 && agreed > 0) {
-        trace_posted(call->op, RING_CHECK);
+        trace_posted(lane, call, called, 1);
         rows_reduce(lane->rows_kind, PyArray_DATA((PyArrayObject *)call->out), PyByteArray_AS_STRING(call->recv),
                     lane->size, consts.row_bytes, consts.header_bytes, lane->count);
         if (lane->divide)
             divide_in_place(lane->type_num, PyArray_DATA((PyArrayObject *)call->out), lane->count, lane->size);
-        trace_mark(call->op, RING_COMPLETE);
         slot_set(call->handle, layout.handle_op, lane->done_op); /* nothing is left to do */
     }
     engine_unlock(lane->release);

@@ -11,13 +11,16 @@ own part only when it faults itself.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ..._core import mpi as _mpi
 from ..._core.mpi import MPI
 
 __all__ = ["POLL_S", "FlightRecorder"]
@@ -26,6 +29,23 @@ POLL_S = 0.02
 ANSWER_S = 3.0  # how long the faulting rank waits for its peers' parts
 _ASK, _ANSWER = 0x7AC4, 0x7AC5
 _WRITE, _STOP = 1, 2
+_listening: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+_hooked = False
+
+
+def _stop_all() -> None:
+    """Stop every listener: MPI is about to be finalized (its Test must not come after)."""
+    for recorder in list(_listening):
+        recorder.stop()
+
+
+def _hook_finalize() -> None:
+    """Stop the listeners before MPI is finalized, by mpitensor or at exit by mpi4py (once)."""
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        _mpi.on_finalize(_stop_all)
+        atexit.register(_stop_all)  # runs before mpi4py's finalization, registered at its import
 
 
 class FlightRecorder:
@@ -42,6 +62,9 @@ class FlightRecorder:
         self._message = np.zeros(1, np.int64)
         self._request = self._comm.Irecv(self._message, source=MPI.ANY_SOURCE, tag=_ASK)
         self._thread = threading.Thread(target=self._listen, name="mpitensor-flight-recorder", daemon=True)
+        self._stopped = threading.Lock()
+        _hook_finalize()
+        _listening.add(self)
         self._thread.start()
 
     def _listen(self) -> None:
@@ -70,8 +93,14 @@ class FlightRecorder:
             time.sleep(POLL_S)
 
     def stop(self) -> None:
-        """End the listener (its receive is matched by a message to itself) and free the communicator."""
-        if not self._thread.is_alive():
+        """End the listener (its receive is matched by a message to itself) and free the communicator.
+
+        Idempotent; a no-op once MPI is finalized.
+        """
+        if not self._stopped.acquire(blocking=False):
+            return
+        _listening.discard(self)
+        if MPI.Is_finalized():
             return
         stop = np.array([_STOP], np.int64)
         self._comm.Send(stop, dest=self._comm.Get_rank(), tag=_ASK)

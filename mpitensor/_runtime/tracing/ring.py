@@ -62,9 +62,10 @@ class _PySpan:
         if field != RESOLVED or self._event[position] == 0:
             self._event[position] = now()
 
-    def transport(self, code: int) -> None:
-        """Record how the data travelled (an index of `TRANSPORTS`)."""
-        self._event[11] = code
+    def posted(self, transport: int) -> None:
+        """Record that the data was posted now, travelling by `transport` (an index of `TRANSPORTS`)."""
+        self._event[3] = now()
+        self._event[11] = transport
 
 
 class PyRing:

@@ -21,7 +21,6 @@ from .ring import (
     CHECK_TRANSPORT,
     LOCAL_TRANSPORT,
     MPI_TRANSPORT,
-    POSTED,
     SHM_TRANSPORT,
     TRANSPORTS,
     events_of,
@@ -48,6 +47,7 @@ class Tracer:
         self._kinds: dict[str, int] = {}
         self._names: list[str] = []
         self._groups: dict[Any, int] = {}  # Group -> its key in the ring
+        self._codes: dict[tuple[Any, ...], tuple[int, int, int]] = {}  # (kind, Group, dtype) -> ring codes
         self._group_members: dict[int, list[int]] = {}
         self._regions: deque[list[Any]] = deque(maxlen=events or None)
         self._depth = threading.local()
@@ -74,21 +74,23 @@ class Tracer:
     def begin(self, op: Any) -> Any:
         """Record `op` (an engine `Op`) as called now; returns its span."""
         record = op.record
-        dtype = dtype_code(record.dtype) if record is not None and record.dtype is not None else 0
-        return self.ring.begin(self.kind_code(op.name), self.group_key(op.group), op.nbytes, dtype)
+        key = (op.name, op.group, None if record is None else record.dtype)
+        codes = self._codes.get(key)
+        if codes is None:
+            dtype = key[2]
+            codes = self._codes[key] = (
+                self.kind_code(op.name), self.group_key(op.group), 0 if dtype is None else dtype_code(dtype)
+            )  # fmt: skip
+        return self.ring.begin(codes[0], codes[1], op.nbytes, codes[2])
 
     def posted(self, op: Any) -> None:
         """Record that `op`'s data was posted now, and how it travels."""
-        span = op.trace
-        span.mark(POSTED)
         if op.stepper is not None:
-            span.transport(SHM_TRANSPORT)
+            op.trace.posted(SHM_TRANSPORT)
         elif op.requests:
-            span.transport(MPI_TRANSPORT)
-        elif op.payload is not None:
-            span.transport(CHECK_TRANSPORT)
+            op.trace.posted(MPI_TRANSPORT)
         else:
-            span.transport(LOCAL_TRANSPORT)
+            op.trace.posted(CHECK_TRANSPORT if op.payload is not None else LOCAL_TRANSPORT)
 
     # -- regions -----------------------------------------------------------------------------
 

@@ -103,28 +103,42 @@ static int make_room(Ring *ring) {
     return 0;
 }
 
-static PyObject *ring_begin(PyObject *self, int32_t kind, int64_t group, int64_t nbytes, int32_t dtype) {
-    Ring *ring = (Ring *)self;
-    Span *span = PyObject_New(Span, &SpanType);
-    if (span == NULL) return NULL;
+/* Write a new event; NULL when memory ran out (nothing is written, no error is set). */
+static Event *new_event(Ring *ring, int32_t kind, int64_t group, int64_t nbytes, int32_t dtype, int64_t called) {
     int64_t seq = next_seq(ring, group);
-    if (seq < 0 || make_room(ring) < 0) {
-        Py_DECREF(span);
-        return PyErr_NoMemory();
-    }
+    if (seq < 0 || make_room(ring) < 0) return NULL;
     int64_t id = ring->next++;
     Event *event = &ring->events[ring->keep_all ? id : id % ring->capacity];
     memset(event, 0, sizeof *event);
     event->id = id;
-    event->called = now_ns();
+    event->called = called ? called : now_ns();
     event->nbytes = nbytes;
     event->group = group;
     event->seq = seq;
     event->kind = kind;
     event->dtype = dtype;
+    return event;
+}
+
+static PyObject *ring_begin(PyObject *self, int32_t kind, int64_t group, int64_t nbytes, int32_t dtype,
+                            int64_t called) {
+    Ring *ring = (Ring *)self;
+    Event *event = new_event(ring, kind, group, nbytes, dtype, called);
+    if (event == NULL) return PyErr_NoMemory();
+    Span *span = PyObject_New(Span, &SpanType);
+    if (span == NULL) return NULL;
     span->ring = (Ring *)Py_NewRef(self);
-    span->id = id;
+    span->id = event->id;
     return (PyObject *)span;
+}
+
+static int ring_carried_event(PyObject *self, int32_t kind, int64_t group, int64_t nbytes, int32_t dtype,
+                              int64_t called) {
+    Event *event = new_event((Ring *)self, kind, group, nbytes, dtype, called);
+    if (event == NULL) return -1;
+    event->agreed = event->posted = event->complete = now_ns();
+    event->transport = RING_CHECK;
+    return 0;
 }
 
 static void span_mark(PyObject *self, int field) {
@@ -141,11 +155,15 @@ static void span_mark(PyObject *self, int field) {
     }
 }
 
-static void span_transport(PyObject *self, int32_t code) {
+static void span_posted(PyObject *self, int32_t transport) {
     Span *span = (Span *)self;
     Event *event = slot_of(span->ring, span->id);
-    if (event != NULL) event->transport = code;
+    if (event == NULL) return;
+    event->posted = now_ns();
+    event->transport = transport;
 }
+
+
 
 /* ---- Ring -------------------------------------------------------------------------------- */
 
@@ -195,7 +213,7 @@ static PyObject *Ring_begin(PyObject *self, PyObject *const *args, Py_ssize_t na
     int64_t kind = as_int64(args[0], &failed), group = as_int64(args[1], &failed);
     int64_t nbytes = as_int64(args[2], &failed), dtype = as_int64(args[3], &failed);
     if (failed) return NULL;
-    return ring_begin(self, (int32_t)kind, group, nbytes, (int32_t)dtype);
+    return ring_begin(self, (int32_t)kind, group, nbytes, (int32_t)dtype, 0);
 }
 
 static PyObject *Ring_export(PyObject *self, PyObject *unused) {
@@ -270,10 +288,10 @@ static PyObject *Span_mark(PyObject *self, PyObject *field) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Span_transport(PyObject *self, PyObject *code) {
-    long value = PyLong_AsLong(code);
+static PyObject *Span_posted(PyObject *self, PyObject *transport) {
+    long value = PyLong_AsLong(transport);
     if (value == -1 && PyErr_Occurred()) return NULL;
-    span_transport(self, (int32_t)value);
+    span_posted(self, (int32_t)value);
     Py_RETURN_NONE;
 }
 
@@ -284,7 +302,7 @@ static PyObject *Span_get_id(PyObject *self, void *closure) {
 
 static PyMethodDef Span_methods[] = {
     {"mark", Span_mark, METH_O, "mark(field)\n--\n\nRecord moment `field` (AGREED .. RESOLVED) as now."},
-    {"transport", Span_transport, METH_O, "transport(code)\n--\n\nRecord how the data travelled."},
+    {"posted", Span_posted, METH_O, "posted(transport)\n--\n\nRecord that the data was posted now, and how it travels."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -306,7 +324,7 @@ static PyTypeObject SpanType = {
 
 /* ---- the module -------------------------------------------------------------------------- */
 
-static RingApi api = {&RingType, &SpanType, ring_begin, span_mark, span_transport};
+static RingApi api = {&RingType, &SpanType, now_ns, ring_begin, ring_carried_event, span_mark, span_posted};
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "mpitensor._runtime.tracing._ring",

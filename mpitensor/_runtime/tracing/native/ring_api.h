@@ -16,12 +16,19 @@ enum { RING_MPI = 1, RING_SHM = 2, RING_CHECK = 3, RING_LOCAL = 4 };
 
 typedef struct {
     PyTypeObject *ring_type, *span_type;
-    /* A new span: the collective `kind` of `nbytes` bytes on group `group`, called now; NULL with an error. */
-    PyObject *(*begin)(PyObject *ring, int32_t kind, int64_t group, int64_t nbytes, int32_t dtype);
+    /* The ring's clock, in ns. */
+    int64_t (*now)(void);
+    /* A new span: the collective `kind` of `nbytes` bytes on group `group`, called at `called`
+     * (the ring's clock; 0 for now). NULL with an error: memory ran out (the event may be kept). */
+    PyObject *(*begin)(PyObject *ring, int32_t kind, int64_t group, int64_t nbytes, int32_t dtype, int64_t called);
+    /* Record a collective called at `called` whose data came in its check, which agreed now (no
+     * span: nothing is left to record). 0, or -1 when memory ran out (the event is not kept). */
+    int (*carried_event)(PyObject *ring, int32_t kind, int64_t group, int64_t nbytes, int32_t dtype,
+                         int64_t called);
     /* Record moment `field` (RING_AGREED ..) of `span` as now. */
     void (*mark)(PyObject *span, int field);
-    /* Record how the span's data travelled. */
-    void (*transport)(PyObject *span, int32_t code);
+    /* Record that the span's data was posted now, travelling by `transport`. */
+    void (*posted)(PyObject *span, int32_t transport);
 } RingApi;
 
 #endif
