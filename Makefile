@@ -11,8 +11,14 @@ export PYTHON
 venv:
 	@scripts/make-venv.sh $(VENV) $(MPI)
 
+# TRACE=PATH records a timeline of every rank; SLOW_RANK=R slows rank R's data loading.
+TRACE ?=
+SLOW_RANK ?=
+DEMO_ARGS = $(if $(TRACE),--trace $(TRACE)) $(if $(SLOW_RANK),--slow-rank $(SLOW_RANK))
+
 demo: venv
-	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python examples/data_parallel.py
+	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python examples/data_parallel.py $(DEMO_ARGS)
+	$(if $(TRACE),$(VENV)/bin/python -m mpitensor trace $(TRACE))
 
 # The same training with PyTorch: a small CNN wrapped in mpitensor.torch.DataParallel.
 demo-torch: venv

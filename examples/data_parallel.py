@@ -8,6 +8,11 @@ process on the full batches and compares the weights: they must agree to round-o
 
 Run it with ``mpiexec -n 4 python examples/data_parallel.py`` (or ``make demo``). The
 exit status is non-zero if the data-parallel and single-process weights disagree.
+
+``--trace PATH`` records a timeline of every rank's collectives and phases (data,
+backward, update) into PATH; ``--slow-rank R`` makes rank R's data loading slower by
+``--slow-ms`` each step, the straggler ``python -m mpitensor trace PATH`` then names
+(``make demo TRACE=trace.json SLOW_RANK=3``).
 """
 
 from __future__ import annotations
@@ -113,10 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--bucket-bytes", type=int, default=4096, help="GradientSync bucket size")
     parser.add_argument("--tolerance", type=float, default=1e-9)
+    parser.add_argument("--trace", default=None, help="write a timeline of every rank here")
+    parser.add_argument("--slow-rank", type=int, default=None, help="a rank whose data loading is slower")
+    parser.add_argument("--slow-ms", type=float, default=5.0, help="how much slower, per step (5 ms)")
     args = parser.parse_args(argv)
     x_train, y_train, x_test, y_test = load_data()
 
-    with mt.DistributedContext.init() as ctx:
+    with mt.DistributedContext.init(config=mt.DistributedConfig(trace=args.trace)) as ctx:
         rank, size = ctx.rank, ctx.size
         # Rank 0's initial weights go to everyone, so all replicas start identical.
         start = init_params(seed=42, hidden=args.hidden) if rank == 0 else None
@@ -130,11 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         my_test = np.arange(len(x_test))[rank::size]
 
         def data_parallel_step(p: Params, indices: np.ndarray, losses: list[float]) -> Params:
-            mine = indices[rank::size]
+            with mt.trace_region("data"):
+                mine = indices[rank::size]
+                if rank == args.slow_rank:
+                    time.sleep(args.slow_ms / 1000)  # a slow loader, a busy node
+                x, y = x_train[mine], y_train[mine]
             # Sums over this shard, scaled so that the MEAN over ranks is the batch mean.
-            for name, grad in backward(p, x_train[mine], y_train[mine], size / len(indices), losses):
-                sync.submit(name, grad)
-            return {name: g.numpy() for name, g in sync.wait().items()}
+            with mt.trace_region("backward"):
+                for name, grad in backward(p, x, y, size / len(indices), losses):
+                    sync.submit(name, grad)
+                return {name: g.numpy() for name, g in sync.wait().items()}
 
         def report(epoch: int, loss: float, p: Params) -> None:
             _, probs = forward(p, x_test[my_test])

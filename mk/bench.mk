@@ -8,7 +8,7 @@
 #   make bench BENCH_TORCH=           no torch (the gloo column is skipped, with a note)
 # torch==2.13.0 matches the CPU wheel this project is measured with; from PyPI other
 # platforms may fetch a CUDA build of it (large). Any torch version works for the baseline.
-.PHONY: bench bench-venv bench-report bench-doc bench-jax
+.PHONY: bench bench-venv bench-report bench-doc bench-jax bench-tracing
 
 BENCH_VENV ?= .venv-bench-$(MPI)
 BENCH_OUT ?= bench-results
@@ -58,3 +58,10 @@ bench-jax: bench-venv
 	fi
 	timeout -k 10 1800 scripts/mpirun.sh --venv $(BENCH_VENV) -n 2 \
 	  $(BENCH_VENV)/bin/python -m mpitensor.bench jax --out $(BENCH_OUT) $(BENCH_ARGS)
+
+# Tracing's cost: a checked all-reduce traced against untraced, alternated, at 2 and 4 ranks.
+bench-tracing: bench-venv
+	for np in 2 4; do \
+	  timeout -k 10 900 scripts/mpirun.sh --venv $(BENCH_VENV) -n $$np \
+	    $(BENCH_VENV)/bin/python -m mpitensor.bench tracing --out $(BENCH_OUT) $(BENCH_ARGS) || exit 1; \
+	done

@@ -42,7 +42,9 @@ def _lateness(axes: Any, summary: TraceSummary, t0_ns: int) -> None:
         points = summary.lateness_series(stats.rank)
         if points:
             times = [(time - t0_ns) / 1e9 for time, _ in points]
-            axes.plot(times, [late / 1e6 for _, late in points], ".-", markersize=4, label=f"rank {stats.rank}")
+            # Points, not lines: a line joining a straggler's many collectives hides the others'.
+            lateness = [late / 1e6 for _, late in points]
+            axes.plot(times, lateness, ".", markersize=3, alpha=0.6, label=f"rank {stats.rank}")
     axes.set_xlabel("time since the trace's start (s)")
     axes.set_ylabel("lateness when last (ms)")
     axes.set_title("how late the last rank came")
