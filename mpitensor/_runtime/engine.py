@@ -783,6 +783,10 @@ class Engine:
         and the context's close; the returned op completes (or fails) like any other.
         """
         op = Op(name, group, 0, lambda: [], record=record)
+        if self.tracer is not None:
+            # Recorded as the call it stands in for is on the peers: each member's sequence
+            # of the group's collectives stays the same, which the trace matches them by.
+            op.trace = self.tracer.begin(op)
         with self.lock:
             try:
                 self._post_check(op)

@@ -214,3 +214,24 @@ def test_fail_fast_writes_every_ranks_last_events(tmp_path):
         done = dump["events"]["complete"]
         assert done[:3] == sorted(done[:3]) and 0 not in done[:3]
         assert done[3:] in ([], [0])  # the fourth never completed
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_call_that_fails_on_one_rank_keeps_the_ranks_records_aligned(tmp_path):
+    path = _shared_path(tmp_path)
+    with mt.DistributedContext.init(config=_config(path)) as ctx:
+        mt.all_reduce(np.ones(2)).resolve()
+        if ctx.rank == 1:
+            with pytest.raises(TypeError, match="cannot be communicated"):
+                mt.all_reduce(np.array(["not", "numbers"]))
+        else:
+            with pytest.raises(mt.CollectiveMismatchError, match="failed on that rank"):
+                mt.all_reduce(np.ones(3)).resolve()
+        if ctx.rank == 0:
+            time.sleep(SLEEP_S)
+        mt.all_reduce(np.ones(4)).resolve()
+        summary = ctx.trace_summary()
+    assert summary.unmatched == 0
+    assert summary.matched == 3  # the failed call is matched with the stand-in the failing rank posted
+    last = summary.rank(0).by_kind["all_reduce"]
+    assert last.last >= 1 and last.median_lateness_ns >= 0.8 * SLEEP_S * 1e9
