@@ -265,6 +265,8 @@ NOT_COLLECTIVES = {
                     "a type the collectives use"),
     "current_context": "a context lookup",
     "defer_finalize": "the MPI lifecycle",
+    "trace_region": "marks a phase of the program in the trace",
+    "TraceSummary": "the straggler report of a trace",
     "__version__": "the version",
 }
 

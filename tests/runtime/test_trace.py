@@ -235,3 +235,18 @@ def test_a_call_that_fails_on_one_rank_keeps_the_ranks_records_aligned(tmp_path)
     assert summary.matched == 3  # the failed call is matched with the stand-in the failing rank posted
     last = summary.rank(0).by_kind["all_reduce"]
     assert last.last >= 1 and last.median_lateness_ns >= 0.8 * SLEEP_S * 1e9
+
+
+def test_an_earlier_runs_trace_and_parts_are_not_taken_for_this_runs(tmp_path):
+    path = _shared_path(tmp_path, "again.json")
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        for stale in (path, f"{path}.rank0.json", f"{path}.rank7.json"):
+            with open(stale, "w") as file:
+                file.write("{}")
+    MPI.COMM_WORLD.Barrier()
+    with mt.DistributedContext.init(config=_config(path)) as ctx:
+        assert not os.path.exists(f"{path}.rank7.json")
+        mt.all_reduce(np.ones(2)).resolve()
+    MPI.COMM_WORLD.Barrier()
+    assert [d["rank"] for d in read_dumps(path)] == list(range(ctx.size))
+    assert not os.path.exists(f"{path}.rank0.json")

@@ -17,7 +17,7 @@ from typing import Any
 from .chrome import chrome_trace, earliest_ns, rank_events
 from .stragglers import check_dumps
 
-__all__ = ["FORMAT", "part_path", "part_paths", "read_dumps", "write_part", "write_trace"]
+__all__ = ["FORMAT", "part_path", "part_paths", "read_dumps", "remove_trace", "write_part", "write_trace"]
 
 FORMAT = 1
 _PART = re.compile(r"\.rank(\d+)\.json$")
@@ -89,6 +89,19 @@ def part_paths(path: str | os.PathLike[str]) -> list[str]:
     found = glob.glob(f"{glob.escape(os.fspath(path))}.rank*.json")
     ranked = [(int(match.group(1)), name) for name in found if (match := _PART.search(name))]
     return [name for _, name in sorted(ranked)]
+
+
+def remove_trace(path: str | os.PathLike[str]) -> None:
+    """Remove an earlier run's trace at `path` and its parts, so that they are not read as this run's.
+
+    Args:
+        path: the merged trace's path.
+    """
+    for name in [os.fspath(path), *part_paths(path)]:
+        try:
+            os.remove(name)
+        except FileNotFoundError:
+            pass
 
 
 def _load(path: str) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .clock import measure_offset
-from .files import write_part, write_trace
+from .files import remove_trace, write_part, write_trace
 from .flight import FlightRecorder
 from .stragglers import TraceSummary, summarize
 from .tracer import Tracer
@@ -38,6 +38,8 @@ class TraceSession:
         check: whether the context runs the consistency check.
         threads: whether MPI allows calls from several threads (the flight recorder's listener).
 
+    Rank 0 removes an earlier run's trace at `path` (and its parts) first.
+
     Raises:
         ValueError: the trace file's folder does not exist (on every rank: rank 0 checks it).
     """
@@ -46,7 +48,13 @@ class TraceSession:
         self, path: str, events: int, comm: Any, members: tuple[int, ...], host: str, check: bool, threads: bool
     ) -> None:
         folder = os.path.dirname(os.path.abspath(path))
-        problem = comm.bcast(None if os.path.isdir(folder) else folder, root=0)
+        problem = None
+        if comm.Get_rank() == 0:
+            if os.path.isdir(folder):
+                remove_trace(path)  # an earlier run's file or parts would be read as this run's
+            else:
+                problem = folder
+        problem = comm.bcast(problem, root=0)
         if problem is not None:
             raise ValueError(
                 f"trace={path!r}: the folder {problem} does not exist on rank 0; create it or trace elsewhere"
