@@ -253,3 +253,17 @@ def test_an_earlier_runs_trace_and_parts_are_not_taken_for_this_runs(tmp_path):
     MPI.COMM_WORLD.Barrier()
     assert [d["rank"] for d in read_dumps(path)] == list(range(ctx.size))
     assert not os.path.exists(f"{path}.rank0.json")
+
+
+def test_the_whole_run_is_kept_when_asked(tmp_path):
+    path = _shared_path(tmp_path, "whole.json")
+    calls = 5000  # beyond the first storage of 4096 events, which then grows
+    with mt.DistributedContext.init(config=_config(path, trace_events=0)) as ctx:
+        for _ in range(calls):
+            mt.all_reduce(np.ones(1)).resolve()
+    MPI.COMM_WORLD.Barrier()
+    for dump in read_dumps(path):
+        closed = 1 if ctx.size > 1 else 0
+        assert dump["capacity"] == 0 and dump["dropped"] == 0
+        assert dump["events"]["id"] == list(range(calls + closed))
+        assert dump["events"]["seq"][:calls] == list(range(calls))
