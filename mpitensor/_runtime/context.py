@@ -309,14 +309,14 @@ class DistributedContext:
         """
         if self.closed:
             return
+        together = False  # whether every rank closes with this one (and so can merge the trace)
         if self._broken is None:
             self.engine.drain(self.timeout)
-            if self._size > 1:
-                self._say_goodbye()
+            together = self._say_goodbye() if self._size > 1 else True
         # A broken context keeps its communicators (a collective stuck on them is still in
         # flight), but its progress thread has nothing left to do.
         self._stop_progress()
-        self._close_trace(merge=self._broken is None)
+        self._close_trace(merge=together and self._broken is None)
         if self._broken is None:
             self._free()
         self.closed = True
@@ -325,19 +325,23 @@ class DistributedContext:
         if self._broken is None and _mpi.release(remaining):
             _failfast.disarm_left_contexts()
 
-    def _say_goodbye(self) -> None:
+    def _say_goodbye(self) -> bool:
         """Close on every rank together, and tell peers still calling collectives that this rank left.
 
         The close is a check of its own on the whole context: where a peer is in a
         collective instead, the peer raises `CollectiveMismatchError` naming this rank
         instead of waiting for it forever (and its context can run no more collectives).
+
+        Returns:
+            Whether every rank closed together (False: some peer was in a collective).
         """
         record = Record(CLOSE_KIND, None, None, None, -1, self.full_group.members, per_rank=-(self._rank + 1))
         op = self.engine.post_stand_in(CLOSE_KIND, self.full_group, record)
         try:
             self.engine.wait(op, self.timeout)
         except CollectiveMismatchError:
-            pass  # peers were in a collective: they have been told
+            return False  # peers were in a collective: they have been told
+        return True
 
     def _leave_on_exception(self) -> None:
         """Close without waiting on peers: an exception is propagating."""

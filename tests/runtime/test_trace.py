@@ -267,3 +267,21 @@ def test_the_whole_run_is_kept_when_asked(tmp_path):
         assert dump["capacity"] == 0 and dump["dropped"] == 0
         assert dump["events"]["id"] == list(range(calls + closed))
         assert dump["events"]["seq"][:calls] == list(range(calls))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_closes_while_the_others_call_leaves_parts_instead_of_waiting_to_merge(tmp_path):
+    path = _shared_path(tmp_path, "left.json")
+    ctx = mt.DistributedContext.init(config=_config(path))
+    mt.all_reduce(np.ones(2)).resolve()
+    if ctx.rank == 0:
+        ctx.close()  # returns: the others are told, and the trace is not gathered from them
+    else:
+        with pytest.raises(mt.CollectiveMismatchError, match="Rank 0 closed the context"):
+            mt.all_reduce(np.ones(2)).resolve()
+        ctx.close()
+    MPI.COMM_WORLD.Barrier()
+    assert not os.path.exists(path)
+    dumps = read_dumps(path)
+    assert [d["rank"] for d in dumps] == list(range(ctx.size))
+    assert all(d["events"]["kind"][0] == "all_reduce" for d in dumps)
