@@ -27,7 +27,8 @@ __all__ = ["TraceSession"]
 class TraceSession:
     """The trace of one context on this rank.
 
-    Collective at creation (the clock offsets): every rank of the context creates it.
+    Collective at creation (the clock offsets): every rank of the context creates it. Rank 0
+    first removes an earlier run's trace at `path` (and its parts).
 
     Args:
         path: the trace file.
@@ -37,8 +38,6 @@ class TraceSession:
         host: this rank's host name.
         check: whether the context runs the consistency check.
         threads: whether MPI allows calls from several threads (the flight recorder's listener).
-
-    Rank 0 removes an earlier run's trace at `path` (and its parts) first.
 
     Raises:
         ValueError: the trace file's folder does not exist (on every rank: rank 0 checks it).
@@ -66,7 +65,6 @@ class TraceSession:
         self._host = host
         self._check = check
         self._offset = measure_offset(comm)
-        self._written_part = False
         self._flight = FlightRecorder(comm, self.write_part) if threads and self._size > 1 else None
 
     def dump(self) -> dict[str, Any]:
@@ -77,7 +75,6 @@ class TraceSession:
         """Write this rank's part (``PATH.rank<N>.json``) now; reports a failure on stderr, never raises."""
         try:
             write_part(self.path, self.dump())
-            self._written_part = True
         except Exception as exc:  # a fault is being handled: this must not hide it
             sys.stderr.write(f"[rank {self._rank}] mpitensor: could not write the trace's part: {exc}\n")
 
