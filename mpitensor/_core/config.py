@@ -146,8 +146,9 @@ class DistributedConfig:
             raise ValueError(f"cuda_aware must be True, False, 'all' or None, got {self.cuda_aware!r}")
         if not (self.trace is None or isinstance(self.trace, (str, os.PathLike))):
             raise ValueError(f"trace must be a file path or None, got {self.trace!r}")
-        if isinstance(self.trace_events, bool) or not isinstance(self.trace_events, int) or self.trace_events < 0:
-            raise ValueError(f"trace_events must be an int >= 0 (0 keeps every event), got {self.trace_events!r}")
+        events = self.trace_events
+        if isinstance(events, bool) or not isinstance(events, int) or not 0 <= events <= 1 << 32:
+            raise ValueError(f"trace_events must be an int from 0 (keep every event) to 2**32, got {events!r}")
 
     def resolved_trace(self) -> str | None:
         """The trace file in force: `trace`, else ``MPITENSOR_TRACE``; None for no tracing (also for an empty path)."""

@@ -178,7 +178,9 @@ def test_a_missing_folder_is_refused_on_every_rank(tmp_path):
         assert ctx.size == MPI.COMM_WORLD.Get_size()
 
 
-@pytest.mark.parametrize("settings", [{"trace_events": -1}, {"trace_events": 2.5}, {"trace": 7}])
+@pytest.mark.parametrize(
+    "settings", [{"trace_events": -1}, {"trace_events": 2.5}, {"trace_events": (1 << 32) + 1}, {"trace": 7}]
+)
 def test_bad_settings_are_clear_errors(settings):
     with pytest.raises(ValueError, match="trace"):
         mt.DistributedConfig(**settings)
