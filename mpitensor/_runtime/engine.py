@@ -44,10 +44,10 @@ from .check import (
     mismatch_error,
 )
 from .tracing.ring import AGREED, MOMENT_COMPLETE
+from .tracing.tracer import Tracer, mark_posted
 
 if TYPE_CHECKING:
     from .._core.protect import Protection
-    from .tracing.tracer import Tracer
 
 __all__ = ["AGREE_STAGE", "REAP_AFTER", "STATES", "Engine", "Group", "Op", "Owner", "Stepper", "Waker", "size_text"]
 
@@ -629,7 +629,7 @@ class Engine:
             if getattr(started, "holding", False):
                 op.group.holder = started
         if op.trace is not None:
-            self.tracer.posted(op)
+            mark_posted(op)
         if op.requests or op.stepper is not None:
             op.state = POSTED
             self.posted.append(op)

@@ -58,6 +58,22 @@ def _metadata(rank: int, host: str) -> list[dict[str, Any]]:
     ]
 
 
+def _slice(dump: Mapping[str, Any], tid: int, name: str, cat: str, span: tuple[int, int, int], t0_ns: int,
+           args: dict[str, Any]) -> dict[str, Any]:
+    """An "X" event of `dump`'s rank from ``span[0]`` to ``span[1]`` (local ns), or to ``span[2]`` where that is 0."""
+    start, end, end_ns = span
+    return {
+        "ph": "X",
+        "name": name,
+        "cat": cat,
+        "pid": dump["rank"],
+        "tid": tid,
+        "ts": _us(start, dump, t0_ns),
+        "dur": max((end or end_ns) - start, 0) / 1000.0,
+        "args": args,
+    }
+
+
 def _collective(dump: Mapping[str, Any], row: int, members: list[int], t0_ns: int, end_ns: int) -> dict[str, Any]:
     events = dump["events"]
     called, complete = events["called"][row], events["complete"][row]
@@ -73,16 +89,7 @@ def _collective(dump: Mapping[str, Any], row: int, members: list[int], t0_ns: in
     if not complete:
         # Still in flight when the rank dumped: the bar runs to the last moment the rank recorded anything.
         args["incomplete"] = True
-    return {
-        "ph": "X",
-        "name": events["kind"][row],
-        "cat": "collective",
-        "pid": dump["rank"],
-        "tid": _COLLECTIVES,
-        "ts": _us(called, dump, t0_ns),
-        "dur": max((complete or end_ns) - called, 0) / 1000.0,
-        "args": args,
-    }
+    return _slice(dump, _COLLECTIVES, events["kind"][row], "collective", (called, complete, end_ns), t0_ns, args)
 
 
 def _region(dump: Mapping[str, Any], row: int, t0_ns: int, end_ns: int) -> dict[str, Any]:
@@ -91,16 +98,7 @@ def _region(dump: Mapping[str, Any], row: int, t0_ns: int, end_ns: int) -> dict[
     args: dict[str, Any] = {"depth": regions["depth"][row]}
     if not end:
         args["open"] = True
-    return {
-        "ph": "X",
-        "name": regions["name"][row],
-        "cat": "region",
-        "pid": dump["rank"],
-        "tid": _REGIONS,
-        "ts": _us(start, dump, t0_ns),
-        "dur": max((end or end_ns) - start, 0) / 1000.0,
-        "args": args,
-    }
+    return _slice(dump, _REGIONS, regions["name"][row], "region", (start, end, end_ns), t0_ns, args)
 
 
 def rank_events(dump: Mapping[str, Any], t0_ns: int) -> list[dict[str, Any]]:

@@ -90,8 +90,6 @@ class PyRing:
         """The events kept at most; 0 when every one is kept."""
         return 0 if self._keep_all else self._capacity
 
-    now = staticmethod(now)
-
     def begin(self, kind: int, group: int, nbytes: int, dtype: int) -> _PySpan:
         """Record a collective called now; returns its span."""
         seq = self._seqs.get(group, 0)

@@ -8,13 +8,10 @@ of it into the plain dict that `chrome` and `stragglers` read, one per rank.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-
-import numpy as np
 
 from ..check import dtype_code, dtype_from_code, group_hash
 from .ring import (
@@ -25,9 +22,10 @@ from .ring import (
     TRANSPORTS,
     events_of,
     make_ring,
+    now,
 )
 
-__all__ = ["Tracer"]
+__all__ = ["Tracer", "mark_posted"]
 
 _COLUMNS = ("id", "group", "seq", "nbytes", "called", "agreed", "posted", "complete", "resolved")
 
@@ -83,29 +81,20 @@ class Tracer:
             )  # fmt: skip
         return self.ring.begin(codes[0], codes[1], op.nbytes, codes[2])
 
-    def posted(self, op: Any) -> None:
-        """Record that `op`'s data was posted now, and how it travels."""
-        if op.stepper is not None:
-            op.trace.posted(SHM_TRANSPORT)
-        elif op.requests:
-            op.trace.posted(MPI_TRANSPORT)
-        else:
-            op.trace.posted(CHECK_TRANSPORT if op.payload is not None else LOCAL_TRANSPORT)
-
     # -- regions -----------------------------------------------------------------------------
 
     @contextmanager
     def region(self, name: str) -> Iterator[None]:
         """Record the program's span `name` around the block it wraps (nested ones too)."""
         depth = getattr(self._depth, "value", 0)
-        entry = [name, time.monotonic_ns(), 0, depth]
+        entry = [name, now(), 0, depth]
         self._regions.append(entry)
         self._depth.value = depth + 1
         try:
             yield
         finally:
             self._depth.value = depth
-            entry[2] = time.monotonic_ns()
+            entry[2] = now()
 
     # -- the dump ----------------------------------------------------------------------------
 
@@ -141,13 +130,19 @@ class Tracer:
             },
         }
 
-    def events(self) -> np.ndarray:
-        """The collectives kept, oldest first (`ring.EVENT` records)."""
-        return events_of(self.ring)
-
     def lane_arguments(self) -> tuple[Any, int, Callable[[Any], int]]:
         """What the compiled lane records with: the ring, the code of ``all_reduce``, `group_key`."""
         return self.ring, self.kind_code("all_reduce"), self.group_key
+
+
+def mark_posted(op: Any) -> None:
+    """Record that `op`'s data (an engine `Op` with a span) was posted now, and how it travels."""
+    if op.stepper is not None:
+        op.trace.posted(SHM_TRANSPORT)
+    elif op.requests:
+        op.trace.posted(MPI_TRANSPORT)
+    else:
+        op.trace.posted(CHECK_TRANSPORT if op.payload is not None else LOCAL_TRANSPORT)
 
 
 def _dtype_name(code: int) -> str:

@@ -228,12 +228,6 @@ static PyObject *Ring_export(PyObject *self, PyObject *unused) {
     return out;
 }
 
-static PyObject *Ring_now(PyObject *self, PyObject *unused) {
-    (void)self;
-    (void)unused;
-    return PyLong_FromLongLong(now_ns());
-}
-
 static PyObject *Ring_get_recorded(PyObject *self, void *closure) {
     (void)closure;
     return PyLong_FromLongLong(((Ring *)self)->next);
@@ -250,7 +244,6 @@ static PyMethodDef Ring_methods[] = {
      "begin(kind, group, nbytes, dtype)\n--\n\nRecord a collective called now; returns its Span."},
     {"export", Ring_export, METH_NOARGS,
      "export()\n--\n\nThe events kept, oldest first, as bytes (`ring.EVENT` records)."},
-    {"now", Ring_now, METH_NOARGS | METH_STATIC, "now()\n--\n\nThe ring's clock (CLOCK_MONOTONIC) in ns."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -324,7 +317,7 @@ static PyTypeObject SpanType = {
 
 /* ---- the module -------------------------------------------------------------------------- */
 
-static RingApi api = {&RingType, &SpanType, now_ns, ring_begin, ring_carried_event, span_mark, span_posted};
+static RingApi api = {&RingType, now_ns, ring_begin, ring_carried_event, span_mark, span_posted};
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "mpitensor._runtime.tracing._ring",

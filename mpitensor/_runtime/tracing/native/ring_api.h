@@ -15,7 +15,7 @@ enum { RING_AGREED = 1, RING_POSTED = 2, RING_COMPLETE = 3, RING_RESOLVED = 4 };
 enum { RING_MPI = 1, RING_SHM = 2, RING_CHECK = 3, RING_LOCAL = 4 };
 
 typedef struct {
-    PyTypeObject *ring_type, *span_type;
+    PyTypeObject *ring_type;
     /* The ring's clock, in ns. */
     int64_t (*now)(void);
     /* A new span: the collective `kind` of `nbytes` bytes on group `group`, called at `called`
