@@ -55,6 +55,10 @@ try:
 except ImportError as _error:  # built without a compiler, or for another interpreter
     _lanes = None
     _BUILD_ERROR = str(_error)
+try:
+    from ..._runtime.tracing._ring import Ring as _Ring  # the ring a traced lane records in
+except ImportError:  # not built: the Python lanes record in the Python ring
+    _Ring = None
 
 __all__ = ["LaneTensor", "built", "compiled_lane", "forget", "front", "leaf_loops", "status"]
 
@@ -224,7 +228,7 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
     trace = None
     if tracer is not None:
         ring, kind, group_key = tracer.lane_arguments()
-        if not isinstance(ring, _ring_type()):
+        if _Ring is None or not isinstance(ring, _Ring):
             return None  # a ring in Python: the Python lanes record into it
         trace = (ring, kind, group_key(group))
     done = Op("all_reduce", group, array.nbytes, lambda: [], record=record)
@@ -237,14 +241,5 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
         spins=lane.ctx.engine.check_spins(),
         queued_post=(reduce_carried if checked else in_place, group.comm, plan), done_op=done, trace=trace,
     )
-
-
-def _ring_type() -> type:
-    """The compiled trace ring's class (a class nothing is an instance of, where it is not built)."""
-    try:
-        from ..._runtime.tracing._ring import Ring
-    except ImportError:
-        return type(None)
-    return Ring
 
 
