@@ -1,4 +1,4 @@
-"""The build of mpitensor's compiled parts: the small all-reduces' lane, the streaming sum, the trace ring, the JAX handler.
+"""The build of mpitensor's compiled parts: the small all-reduces' lane, the kernels, the trace ring, the JAX handler.
 
 The lane of repeated small all-reduces, and the shared-memory all-reduce's streaming sum:
 both are optional: where no C compiler is found (or a build fails), mpitensor installs
@@ -9,7 +9,7 @@ run time in the library mpi4py loaded (see mpitensor/_collectives/native/__init_
 
 from setuptools import Extension, setup
 
-_SOURCES = ["module.c", "abi.c", "slots.c", "rows.c", "lane.c", "finish.c", "entry.c", "handle.c", "leaves.c"]
+_SOURCES = ["module.c", "abi.c", "slots.c", "rows.c", "keys.c", "lane.c", "finish.c", "entry.c", "handle.c", "leaves.c"]
 
 
 def _extensions() -> list[Extension]:
@@ -26,10 +26,19 @@ def _extensions() -> list[Extension]:
             optional=True,
         ),
         Extension(
+            "mpitensor._core.kernels._keys",
+            sources=["mpitensor/_core/kernels/keys.c"],
+            depends=["mpitensor/_core/kernels/keys.h"],
+            include_dirs=[numpy.get_include()],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
             "mpitensor._collectives.native._lanes",
             sources=[f"mpitensor/_collectives/native/{name}" for name in _SOURCES],
-            depends=["mpitensor/_collectives/native/native.h", "mpitensor/_runtime/tracing/native/ring_api.h"],
-            include_dirs=[numpy.get_include(), "mpitensor/_runtime/tracing/native"],
+            depends=["mpitensor/_collectives/native/native.h", "mpitensor/_runtime/tracing/native/ring_api.h",
+                     "mpitensor/_core/kernels/keys.h"],
+            include_dirs=[numpy.get_include(), "mpitensor/_runtime/tracing/native", "mpitensor/_core/kernels"],
             # Strict IEEE arithmetic: the reductions must give NumPy's bits, never fused or reordered.
             extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"],
             libraries=["dl"],

@@ -6,9 +6,9 @@ the general path (`all_reduce.all_reduce`), which checks the input, plans the re
 picks a transport and builds the check's record. Where that transport is MPI's (in place on
 a copy, or from the protected input into a pooled buffer) or the check itself (the copy
 carried in it), the input is at most `LANE_BYTES`, and the result needs no finishing but
-MEAN's division, the call keeps them in a lane. Later calls of that kind find the lane and
-only copy (or protect) the input, start the op and wrap the result: at 8 bytes the general
-path's planning is most of a call's cost.
+MEAN's division or MAX/MIN keys of floats decoded, the call keeps them in a lane. Later
+calls of that kind find the lane and only copy (or protect, or encode) the input, start the
+op and wrap the result: at 8 bytes the general path's planning is most of a call's cost.
 
 Each choice a lane keeps depends only on its key and its context: the transports'
 ``applies`` read the input's size, the plan, the group's size and the configuration. A lane
@@ -26,13 +26,14 @@ from typing import Any
 import numpy as np
 
 from .._core.config import ReduceOperation
+from .._core.dtypes import BoolBytes, OrderedKeys
 from .._core.interop import take_quickly
 from .._core.state import open_contexts
 from .._core.tensor import Tensor, array_of, wrap_array
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Group, Op
 from .._transport.base import ReduceCall
-from .._transport.inline import carry, reduce_carried
+from .._transport.inline import carry, reduce_carried, reduce_carried_keys
 from .._transport.mpi import SMALL_BYTES, in_place, out_of_place
 from .._transport.reduction import finish_reduction, needs_decoding, reduction_finisher, reduction_input
 from .._transport.select import IN_CHECK, IN_PLACE, PLAIN
@@ -163,17 +164,21 @@ class _Lane:
         raise NotImplementedError
 
     def _finish(self, result: np.ndarray) -> Callable[[], Any] | None:
-        """MEAN's division of `result` once it is reduced; None for every other op (nothing to finish)."""
-        if not self.plan.divide:
+        """MEAN's division of `result` once it is reduced, or its MAX/MIN keys decoded; None for every other op."""
+        plan = self.plan
+        if isinstance(plan.codec, OrderedKeys):
+            return partial(plan.codec.decode, result)
+        if not plan.divide:
             return None
-        return partial(finish_reduction, result, result, self.plan, self.group.size)
+        return partial(finish_reduction, result, result, plan, self.group.size)
 
 
 class CopyLane(_Lane):
     """The lane of calls that MPI reduces in place on a plain copy of the input (`IN_PLACE`).
 
-    Its plan's work dtype is the input's, and it has no codec; MEAN divides the result
-    once MPI is done, as the general path's finish does.
+    Its plan's work dtype is the input's. The copy is encoded where the plan has a codec
+    (MAX/MIN keys of floats, bool bytes made 0 and 1); MEAN divides the result once MPI is
+    done, and keys are decoded then, as the general path's finish does.
     """
 
     __slots__ = ()
@@ -189,8 +194,13 @@ class CopyLane(_Lane):
         """
         ctx = self.ctx
         group = self.group
+        codec = self.plan.codec
         try:
-            buffer = array.copy()
+            if codec is None:
+                buffer = array.copy()
+            else:
+                buffer = np.empty_like(array)
+                codec.encode(array, buffer)
         except Exception:  # nothing is posted yet: the general path takes the call again and reports it
             return None
         post = partial(in_place, group.comm, buffer, self.plan)
@@ -202,8 +212,9 @@ class CopyLane(_Lane):
 class CheckLane(_Lane):
     """The lane of calls whose input travels in their check (`IN_CHECK`).
 
-    Its plan has no MAX/MIN keys to decode (MEAN divides the result, as in `CopyLane`),
-    and it has a record.
+    It has a record. MEAN divides the result, as in `CopyLane`; for MAX/MIN of floats the
+    op leaves keys whichever way it is reduced (`reduce_carried_keys`), which its finish
+    decodes.
     """
 
     __slots__ = ()
@@ -224,7 +235,8 @@ class CheckLane(_Lane):
             out = np.empty(array.shape, plan.work_dtype)
         except Exception:  # nothing is posted yet: the general path takes the call again and reports it
             return None
-        post = partial(reduce_carried, group.comm, out, payload, plan)
+        reduce = reduce_carried_keys if isinstance(plan.codec, OrderedKeys) else reduce_carried
+        post = partial(reduce, group.comm, out, payload, plan)
         op = Op("all_reduce", group, array.nbytes, post, self._finish(out), self.record, payload=payload)
         ctx.engine.submit(op)
         return CollectiveTensor(op, wrap_array(out, ctx.cpu_device if tensor is None else tensor.device), ctx)
@@ -280,8 +292,9 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
     ctx = call.ctx
     group = call.group
     plan = call.plan
-    # Of what a result may need once reduced, a lane does MEAN's division only.
-    if group is not ctx.full_group or needs_decoding(call):
+    # Of what a result may need once reduced, a lane does MEAN's division and decodes MAX/MIN
+    # keys (not on a pooled buffer's lane: no half precision rounded back).
+    if group is not ctx.full_group or (needs_decoding(call) and not _decodes(call)):
         return
     array = call.source.array
     if plan.combine is np.multiply and array.ndim == 0 and array.dtype == np.int64:
@@ -303,6 +316,12 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
         lanes[(array.dtype, array.shape, op)] = lane
     except TypeError:  # an unhashable op that parsed: such calls keep the general path
         pass
+
+
+def _decodes(call: ReduceCall) -> bool:
+    """Whether a lane can finish `call`'s kind: float keys or bool bytes, on a copy or in the check."""
+    codec = call.plan.codec
+    return call.final is call.out and call.transport is not PLAIN and isinstance(codec, (OrderedKeys, BoolBytes))
 
 
 class _Lanes(dict):

@@ -27,6 +27,7 @@ from .mpi import in_place
 
 __all__ = [
     "CARRIED", "HEADER_BYTES", "INLINE_RANKS", "PAYLOAD_BYTES", "ROW_BYTES", "InCheck", "carry", "reduce_carried",
+    "reduce_carried_keys",
 ]
 
 # Groups of up to this many ranks gather their checks' rows (beyond, gathering every row to
@@ -128,3 +129,23 @@ def reduce_carried(comm: Any, out: np.ndarray, payload: bytes, plan: Any, rows: 
     for index in range(2, len(payloads)):
         combine(target, payloads[index], out=target)
     return []
+
+
+def reduce_carried_keys(comm: Any, out: np.ndarray, payload: bytes, plan: Any, rows: bytearray | None) -> list[Any]:
+    """`reduce_carried` for MAX/MIN of floats, leaving MAX/MIN keys in `out` either way.
+
+    MPI's all-reduce (a member carried nothing) leaves keys; a carried reduction gives the
+    floats, whose keys are then written. So the op's finish decodes in both cases, whichever
+    the rows turn out to be (the lanes make the finish before the rows are seen).
+
+    Args:
+        comm, out, payload, rows: as `reduce_carried`.
+        plan: the `ReducePlan`; its codec is an `OrderedKeys`.
+
+    Returns:
+        No requests (the keys are final), or MPI's in-place all-reduce's.
+    """
+    requests = reduce_carried(comm, out, payload, plan, rows)
+    if rows is not None:
+        plan.codec.encode(out, out)
+    return requests

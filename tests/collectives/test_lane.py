@@ -55,18 +55,20 @@ def test_repeated_calls_match_numpy(check, op):
 
 
 def test_small_calls_keep_a_lane_and_large_ones_do_not():
-    """What keeps a lane: small inputs copied at the call, with at most MEAN's division to finish."""
+    """What keeps a lane: small inputs copied at the call, with at most MEAN's division or MAX/MIN keys to finish."""
     with mt.DistributedContext.init(config=mt.DistributedConfig(check=False)) as ctx:
         for _ in range(2):
             mt.all_reduce(np.ones(3, np.float32)).resolve()
             mt.all_reduce(np.ones(3, np.float32), OP.MEAN).resolve()
             mt.all_reduce(np.ones(3, np.float32), OP.MAX).resolve()
             mt.all_reduce(np.ones(40_000, np.float32)).resolve()
+            mt.all_reduce(np.ones(40_000, np.float32), OP.MAX).resolve()
             mt.all_reduce(np.ones(LANE_BYTES // 4 + 1, np.float32)).resolve()
         lanes = _lanes(ctx)
         assert type(lanes.get((np.dtype(np.float32), (3,), None))) is CopyLane
         assert type(lanes.get((np.dtype(np.float32), (3,), OP.MEAN))) is CopyLane, "MEAN divides once reduced"
-        assert (np.dtype(np.float32), (3,), OP.MAX) not in lanes, "MPI reduces float MAX in keys: no lane"
+        assert type(lanes.get((np.dtype(np.float32), (3,), OP.MAX))) is CopyLane, "a copy of keys, decoded once reduced"
+        assert (np.dtype(np.float32), (40_000,), OP.MAX) not in lanes, "keys in a pooled buffer: no lane"
         medium = lanes.get((np.dtype(np.float32), (40_000,), None))
         # Shared memory takes it on a node holding two of the ranks (MPITENSOR_SHM_NODE_SIZE may split them).
         assert type(medium) is PlainLane or (medium is None and ctx.size > 1), "protected, not copied"

@@ -12,6 +12,7 @@ complex number), and of operands that compare equal, +0.0 wins MAX and -0.0 wins
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes
 
 import mpitensor as mt
+from mpitensor._collectives.lane import LANES
 from mpitensor._transport import shm as _shm
 from mpitensor._transport.mpi import SMALL_BYTES
 from mpitensor._transport.shm.arena import Lease
@@ -216,6 +218,67 @@ def test_all_reduce_propagates_nan_with_the_same_bits_everywhere(module_ctx, op,
         shared = ctx.size > 1 and dtype.kind == "f" and nbytes > SMALL_BYTES and (
             path == "shm" or (path != "no_shm" and nbytes >= _shm.min_bytes()))
         assert via_shared_memory(got) == shared
+
+
+# Repeated calls of one kind take their lane (compiled where built): carried in the check
+# (8 bytes), or MPI's all-reduce of keys on a copy (1 KiB, 64 KiB).
+LANE_SIZES = [8, 1 << 10, SMALL_BYTES]
+
+
+def _late(ctx: mt.DistributedContext, turn: int) -> None:
+    """The last rank comes late to odd calls: its peers' checks do not agree at once, and the engine takes over."""
+    if ctx.size > 1 and ctx.rank == ctx.size - 1 and turn % 2:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("nbytes", LANE_SIZES)
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)], ids=_ids)
+@pytest.mark.parametrize("op", EXTREMA, ids=_ids)
+def test_repeated_calls_on_their_lane_give_the_same_bits(module_ctx, op, dtype, nbytes, check):
+    """Six calls of one kind, a late rank at every other: the lanes' keys, their decoding and the
+    rows reduced in C give the general path's bits, whether the check agreed at once or not."""
+    shape = (_count(nbytes, dtype),)
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)) as ctx:
+        results, expected = [], []
+        for turn in range(6):
+            everyone = [special_input(seed_of("lane", op.name, dtype.name, nbytes, check, turn), r, shape, dtype)
+                        for r in range(ctx.size)]
+            mine = everyone[ctx.rank].copy()
+            _late(ctx, turn)
+            pending = mt.all_reduce(mine, op)
+            mine[...] = 0  # the call copied (or carried) it
+            results.append(pending.resolve().numpy())
+            expected.append(extremum_reference(op, everyone))
+        lanes = ctx.full_group.extra.get(LANES, {})
+        on_lane = lanes.get((dtype, shape, op)) is not None
+        identical = identical_on_every_rank(ctx, np.concatenate(results))
+    for turn, (got, want) in enumerate(zip(results, expected)):
+        assert_same_bits(got, want, f"call {turn}")
+    assert identical, "ranks got different bits"
+    if ctx.size > 1:
+        assert on_lane, "repeated MAX/MIN calls of floats keep a lane"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)], ids=_ids)
+@pytest.mark.parametrize("op", EXTREMA, ids=_ids)
+def test_a_lane_call_meets_a_call_into_out(module_ctx, op, dtype):
+    """Rank 0 writes into out= (its row carries no input), the others call on their lane (their rows
+    carry it): every member sees a row without input, and MPI reduces keys, which each side decodes."""
+    shape = (2,)
+    with mt.DistributedContext.init() as ctx:
+        for turn in range(4):
+            everyone = [special_input(seed_of("lane out", op.name, dtype.name, turn), r, shape, dtype)
+                        for r in range(ctx.size)]
+            mine = everyone[ctx.rank].copy()
+            if ctx.rank == 0 and turn >= 2:
+                out = np.empty(shape, dtype)
+                mt.all_reduce(mine, op, out=out).resolve()
+                got = out
+            else:
+                got = mt.all_reduce(mine, op).resolve().numpy()
+            assert_same_bits(got, extremum_reference(op, everyone), f"call {turn}")
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)], ids=_ids)

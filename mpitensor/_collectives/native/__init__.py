@@ -41,12 +41,13 @@ import numpy as np
 
 from ..._core import state
 from ..._core.config import ReduceOperation, compiled_parts_off
+from ..._core.dtypes import OrderedKeys
 from ..._core.interop import take_quickly
 from ..._core.mpi import module as mpi_module
 from ..._core.mpi import pointer_handles
 from ..._core.tensor import TENSOR_FIELDS, Tensor
 from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, SPIN_PAUSES, STATES, Op
-from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried
+from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried, reduce_carried_keys
 from ..._transport.mpi import SMALL_BYTES, in_place
 from ..common import HANDLE_FIELDS, CollectiveTensor, Convert, Later
 
@@ -74,6 +75,7 @@ _OP_CODES = {
     ReduceOperation.BXOR: 7,
 }
 _DIVIDES = (np.dtype(np.float32), np.dtype(np.float64))  # MEAN's compiled division
+_KEYS = _DIVIDES  # MAX/MIN keys compiled (keys.c)
 
 
 class LaneTensor(CollectiveTensor):
@@ -210,12 +212,16 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
 
     Returns:
         A `_lanes.Lane`, or None where the plan has no compiled counterpart (a converted work
-        dtype, a MEAN of a dtype other than float32 and float64, a loop the C code lacks) or
-        the module is not bound.
+        dtype, a MEAN of a dtype other than float32 and float64, a loop the C code lacks, an
+        input to encode other than MAX/MIN keys of float32 and float64) or the module is not
+        bound.
     """
     plan = lane.plan
     record = lane.record
     if plan.work_dtype != array.dtype or (plan.divide and array.dtype not in _DIVIDES) or not _bind():
+        return None
+    keys = _keys(plan, array.dtype, checked)
+    if keys is None:
         return None
     group = lane.group
     if record is not None and not group.gathers:
@@ -239,7 +245,23 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
         divide=plan.divide, record=record, value=0 if record is None else record.check_value(),
         per_rank=CARRIED if checked else 0 if record is None else record.per_rank, rows=rows,
         spins=lane.ctx.engine.check_spins(),
-        queued_post=(reduce_carried if checked else in_place, group.comm, plan), done_op=done, trace=trace,
+        queued_post=(_carried_post(keys) if checked else in_place, group.comm, plan), done_op=done, trace=trace,
+        keys=keys,
     )
+
+
+def _keys(plan: Any, dtype: np.dtype, checked: bool) -> int | None:
+    """The lane's ``keys`` code for `plan` (0: none, 1: MAX, 2: MIN); None where no compiled lane encodes its input."""
+    codec = plan.codec
+    if codec is None or (checked and not isinstance(codec, OrderedKeys)):
+        return 0  # a carried bool's rows are read as NumPy reads them, whatever their bytes
+    if isinstance(codec, OrderedKeys) and dtype in _KEYS:
+        return 1 if codec.maximum else 2
+    return None
+
+
+def _carried_post(keys: int) -> Any:
+    """What a queued carried op posts: keys left for the finish to decode where the lane has keys."""
+    return reduce_carried_keys if keys else reduce_carried
 
 

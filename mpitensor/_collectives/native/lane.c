@@ -14,6 +14,11 @@
  *   every row agrees within the spin, the rows are reduced as `reduce_carried` does and
  *   the call completes at once.
  *
+ * For MAX/MIN of float32 and float64 (`keys`), MPI reduces OrderedKeys, as on the general
+ * path: a `COPY` lane's copy is made of the input's keys, and its op's finish decodes them;
+ * a `CHECK` lane reduces the rows through keys, and a queued op of it (whose post leaves
+ * keys, `reduce_carried_keys`) decodes them in its finish too.
+ *
  * A check that does not agree within the spin (a late peer, or rows that differ) queues its
  * op on the group as `Engine._queue` does, under the same hold of the engine's lock as the
  * check's post, and the call goes on in `Engine.await_queued_check`: from there on the op is
@@ -32,6 +37,7 @@
 #include <time.h>
 
 enum { LANE_COPY = 0, LANE_CHECK = 1 };
+enum { KEYS_NONE = 0, KEYS_MAX = 1, KEYS_MIN = 2 };
 
 typedef struct {
     PyObject_HEAD
@@ -45,6 +51,7 @@ typedef struct {
     npy_intp count, nbytes;
     mpi_handle comm, check_comm, datatype, mpi_op;
     int size, spins, divide, rows_kind, type_num;
+    int keys; /* MPI reduces MAX/MIN keys of floats: 0 none, else KEYS_MAX or KEYS_MIN */
     unsigned long owner;
     long long value, per_rank;
     PyObject *send, *recv, *request; /* the check's buffers and request, reused while no op holds them */
@@ -118,8 +125,10 @@ static PyObject *make_op(Lane *lane, int state, PyObject *record, PyObject *fini
     return op;
 }
 
-/* MEAN's division of `result` once reduced, as a callable the engine's `_complete` runs; None otherwise. */
+/* What `result` needs once reduced, as a callable the engine's `_complete` runs: MEAN's
+ * division, or MAX/MIN keys decoded; None for every other op. */
 static PyObject *finisher(Lane *lane, PyObject *result) {
+    if (lane->keys != KEYS_NONE) return PyObject_CallOneArg((PyObject *)&DecodeType, result);
     if (!lane->divide) return Py_NewRef(Py_None);
     return PyObject_CallFunction((PyObject *)&DivideType, "Oi", result, lane->size);
 }
@@ -362,7 +371,14 @@ static void call_clear(Call *call) {
 /* The call's objects; 0, or -1 when one could not be made (nothing is posted: the call is declined). */
 static int call_prepare(Lane *lane, Call *call, PyObject *device, PyArrayObject *array) {
     memset(call, 0, sizeof *call);
-    if (lane->kind == LANE_COPY) {
+    if (lane->kind == LANE_COPY && lane->keys != KEYS_NONE) {
+        /* MPI reduces the keys: the copy is made of them. */
+        Py_INCREF(lane->descr);
+        call->out = PyArray_Empty(lane->ndim, lane->dims, lane->descr, 0);
+        if (call->out != NULL)
+            keys_encode(lane->type_num, lane->keys == KEYS_MAX, PyArray_DATA(array),
+                        PyArray_DATA((PyArrayObject *)call->out), lane->count);
+    } else if (lane->kind == LANE_COPY) {
         call->out = PyArray_NewCopy(array, NPY_CORDER);
     } else {
         Py_INCREF(lane->descr);
@@ -547,7 +563,7 @@ static PyObject *Lane_start(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static const char *lane_keywords[] = {
     "kind", "ctx", "group", "op_key", "template", "datatype", "mpi_op", "divide", "record", "value", "per_rank",
-    "rows", "spins", "queued_post", "done_op", "trace", NULL};
+    "rows", "spins", "queued_post", "done_op", "trace", "keys", NULL};
 
 /* Where `queued_post` is (start, comm, plan) and functools' partial can be had; 0, or -1 with an error set. */
 static int take_post(Lane *lane, PyObject *queued_post) {
@@ -592,10 +608,10 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     Lane *lane = (Lane *)self;
     PyObject *ctx, *group, *op_key, *template, *datatype, *mpi_op, *record, *queued_post, *done_op, *trace = Py_None;
     int divide;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOO", (char **)lane_keywords, &lane->kind, &ctx,
-                                     &group, &op_key, &PyArray_Type, &template, &datatype, &mpi_op, &divide,
-                                     &record, &lane->value, &lane->per_rank, &lane->rows_kind, &lane->spins,
-                                     &queued_post, &done_op, &trace))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOOi", (char **)lane_keywords, &lane->kind,
+                                     &ctx, &group, &op_key, &PyArray_Type, &template, &datatype, &mpi_op,
+                                     &divide, &record, &lane->value, &lane->per_rank, &lane->rows_kind,
+                                     &lane->spins, &queued_post, &done_op, &trace, &lane->keys))
         return -1;
     if (lane->ctx != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a lane is made once");
@@ -616,6 +632,10 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     lane->divide = divide;
     if (lane->kind == LANE_CHECK && (lane->nbytes > consts.payload_bytes || lane->rows_kind < 0 || record == Py_None)) {
         PyErr_SetString(PyExc_ValueError, "a carried lane has a record, at most the check's payload, and a loop");
+        return -1;
+    }
+    if (lane->keys != KEYS_NONE && (lane->keys > KEYS_MIN || divide || !keys_supported(lane->type_num))) {
+        PyErr_SetString(PyExc_ValueError, "MAX/MIN keys are compiled for float32 and float64 only, without MEAN");
         return -1;
     }
     if (divide && divide_in_place(lane->type_num, NULL, 0, 1) < 0) {

@@ -133,11 +133,13 @@ PyMODINIT_FUNC PyInit__lanes(void) {
         (consts.await_queued_check = PyUnicode_InternFromString("await_queued_check")) == NULL ||
         (consts.settle = PyUnicode_InternFromString("settle")) == NULL)
         return NULL;
-    if (PyType_Ready(&LaneType) < 0 || PyType_Ready(&DivideType) < 0 || PyType_Ready(&EntryType) < 0) return NULL;
+    if (PyType_Ready(&LaneType) < 0 || PyType_Ready(&DivideType) < 0 || PyType_Ready(&DecodeType) < 0 ||
+        PyType_Ready(&EntryType) < 0) return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL) return NULL;
     if (PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0 ||
         PyModule_AddObjectRef(module, "Divide", (PyObject *)&DivideType) < 0 ||
+        PyModule_AddObjectRef(module, "Decode", (PyObject *)&DecodeType) < 0 ||
         PyModule_AddObjectRef(module, "Entry", (PyObject *)&EntryType) < 0 ||
         PyModule_AddIntConstant(module, "COPY", 0) < 0 || PyModule_AddIntConstant(module, "CHECK", 1) < 0) {
         Py_DECREF(module);

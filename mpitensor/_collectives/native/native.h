@@ -132,12 +132,22 @@ int rows_kind(int type_num, int op_code);
 /* out = row[0] op row[1] op ... op row[size-1], element by element, in rank order (size >= 2). */
 void rows_reduce(int kind, void *out, const char *rows, int size, int row_bytes, int header_bytes,
                  Py_ssize_t count);
+/* OrderedKeys of float32/float64 (keys.c): whether `type_num` has them; the keys of `count`
+ * floats of `src` into `dst` (which may be `src`), NaNs the canonical NaN's key for MAX
+ * (`maximum`) or MIN; keys back into floats in place; the rows' MAX/MIN through keys. The
+ * first two return 0, or -1 for a type without keys. */
+int keys_supported(int type_num);
+int keys_encode(int type_num, int maximum, const void *src, void *dst, Py_ssize_t count);
+int keys_decode(int type_num, void *data, Py_ssize_t count);
+void keys_rows_reduce(int type_num, int maximum, void *out, const char *rows, int size, int row_bytes, int header,
+                      Py_ssize_t count);
 /* MEAN's division, in place, as NumPy's true_divide by an int does; 0, or -1 if the dtype has none here. */
 int divide_in_place(int type_num, void *data, Py_ssize_t count, int size);
 
 /* ---- the lane (lane.c), its handle (handle.c), the entry (entry.c) --------------------- */
 extern PyTypeObject LaneType;
 extern PyTypeObject DivideType;
+extern PyTypeObject DecodeType;
 extern PyTypeObject EntryType;
 PyObject *lane_start(PyObject *lane, PyObject *tensor, PyObject *array);
 int lane_matches(PyObject *lane, PyObject *ctx, PyArrayObject *array, PyObject *op);

@@ -5,7 +5,9 @@
  * the same operations in the same order on the same types, so a rank that reduces here and
  * one that reduces in NumPy get the same bits. Integers wrap as NumPy's do (the arithmetic
  * is done unsigned); bools combine as NumPy's logical ufuncs (SUM and MAX are or, PROD and
- * MIN and, as in `_core/dtypes.py`). Only the (dtype, op) pairs below have a loop.
+ * MIN and, as in `_core/dtypes.py`). MAX and MIN of float32 and float64 reduce their
+ * OrderedKeys (keys.c), as MPI does on the other paths. Only the (dtype, op) pairs below have
+ * a loop.
  */
 #include "native.h"
 
@@ -48,7 +50,9 @@ int rows_kind(int type_num, int op_code) {
     int cls = class_of(type_num);
     if (cls == 0 || op_code < OP_SUM || op_code > OP_BXOR) return -1;
     int floating = cls >= C_F32;
-    if (floating && op_code != OP_SUM && op_code != OP_PROD) return -1;  /* MAX/MIN go through keys */
+    int extremum = op_code == OP_MAX || op_code == OP_MIN;
+    if ((cls == C_F32 || cls == C_F64) && extremum) return cls * 8 + op_code; /* through keys */
+    if (floating && op_code != OP_SUM && op_code != OP_PROD) return -1;
     if ((cls == C_C64 || cls == C_C128) && op_code != OP_SUM) return -1;  /* complex products: NumPy's formula */
     return cls * 8 + op_code;
 }
@@ -119,7 +123,12 @@ static void combine(int kind, void *out, const void *a, const void *b, Py_ssize_
 
 void rows_reduce(int kind, void *out, const char *rows, int size, int row_bytes, int header_bytes,
                  Py_ssize_t count) {
-    int cls = kind / 8;
+    int cls = kind / 8, op_code = kind % 8;
+    if ((cls == C_F32 || cls == C_F64) && (op_code == OP_MAX || op_code == OP_MIN)) {
+        keys_rows_reduce(cls == C_F32 ? NPY_FLOAT : NPY_DOUBLE, op_code == OP_MAX, out, rows, size, row_bytes,
+                         header_bytes, count);
+        return;
+    }
     /* Complex sums add real and imaginary parts apart: twice the count of their float. */
     Py_ssize_t elements = (cls == C_C64 || cls == C_C128) ? 2 * count : count;
     combine(kind, out, PAYLOAD(rows, 0, row_bytes, header_bytes), PAYLOAD(rows, 1, row_bytes, header_bytes),
