@@ -10,6 +10,7 @@ from typing import Any
 from .._collectives import native
 from .._core import mpi as _mpi
 from .._core import mpi_arithmetic
+from .._core.kernels import keys as compiled_keys
 from .._core.kernels import streaming_add
 from .._runtime.context import DistributedContext, local_rank_env_check
 
@@ -51,6 +52,7 @@ def collect(ctx: DistributedContext) -> list[dict[str, Any]]:
         "pid": os.getpid(),
         "compiled": native.status(bind=True),
         "streaming": streaming_add is not None,
+        "keys": compiled_keys is not None,
         "jax_handler": _jax_handler_built(),
         "wrong_sums": " ".join(sorted(str(dtype) for dtype in mpi_arithmetic.probe())),
         "check": ctx.config.check,
@@ -97,9 +99,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"compiled lane of small all-reduces: {compiled.pop()}")
     else:
         lines.extend(f"compiled lane on rank {row['rank']}: {row['compiled']}" for row in rows)
-    streaming = {row["streaming"] for row in rows}
-    lines.append("streaming sum of large shared-memory all-reduces: "
-                 + ("on" if streaming == {True} else "off" if streaming == {False} else "on some ranks only"))
+    lines.append(f"streaming sum of large shared-memory all-reduces: {_on_off(rows, 'streaming')}")
+    lines.append(f"compiled MAX/MIN keys of float32 and float64: {_on_off(rows, 'keys')}")
     handler = {row["jax_handler"] for row in rows}
     lines.append("mpitensor.jax's compiled handler (collectives inside jax.jit): "
                  + ("built" if handler == {True} else "not built (no C compiler at install)" if handler == {False}
@@ -117,6 +118,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if row["local_rank_note"]:
             lines.append(f"note: rank {row['rank']}: {row['local_rank_note']}")
     return "\n".join(lines)
+
+
+def _on_off(rows: list[dict[str, Any]], key: str) -> str:
+    """Whether the compiled part `key` of every rank's row is there: on, off, or on some ranks only."""
+    found = {row[key] for row in rows}
+    return "on" if found == {True} else "off" if found == {False} else "on some ranks only"
 
 
 def _per_host(rows: list[dict[str, Any]]) -> list[str]:
