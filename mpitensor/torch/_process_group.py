@@ -23,11 +23,14 @@ import mpitensor as mt
 from ._arrays import host_view, numpy_dtype, torch_view
 from ._monitored_barrier import monitored_barrier
 from ._reduce_ops import reduce_operation
-from ._work import Completer, Work, done_work
+from ._work import Completer, Work, finished_work
 
 __all__ = ["BACKEND_NAME", "ProcessGroupMpitensor"]
 
 BACKEND_NAME = "mpitensor"
+# The largest tensor a synchronous all-reduce sends through its NumPy view (the compiled
+# lane's copies; larger ones are read in place through a copy-on-write clone).
+_SMALL_BYTES = 64 << 10
 
 # Tags of monitored_barrier's messages: the two highest mpitensor allows (torch programs'
 # own tags are small).
@@ -56,7 +59,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._completer = Completer()
         self._on_shutdown: Callable[[], None] | None = None
         self._group_name = ""
-        self._completed = done_work([], self._completer)
+        self._completed = finished_work(self._completer)
         self._group_desc = ""
 
     # -- identity ---------------------------------------------------------------------------
@@ -114,11 +117,19 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         devices = self._devices
         for tensor in tensors:
             _check_dense(tensor, "all_reduce")
+        waits = opts is not None and not opts.asyncOp
+        if waits and devices is None and factor is None and len(tensors) == 1:
+            view = _small_view(tensors[0])
+            if view is not None:
+                # A small tensor reduced through its NumPy view: the array's compiled lane,
+                # and the result written back with NumPy, no torch tensor made on the way.
+                _write_back(tensors[0], view, mt.all_reduce(view, op).resolve(self._timeout).numpy())
+                return self._completed
         if devices is None and factor is None:
             handles = [mt.all_reduce(tensor, op) for tensor in tensors]  # the form the compiled lane takes
         else:
             handles = [mt.all_reduce(tensor, op, devices, prescale_factor=factor) for tensor in tensors]
-        if opts is not None and not opts.asyncOp:
+        if waits:
             # dist.all_reduce(async_op=False) waits at once: done here, the call costs no
             # Work of its own and no second crossing into Python for wait().
             results = [handle.resolve(self._timeout) for handle in handles]
@@ -407,6 +418,24 @@ def _as_torch(result: Any, like: torch.Tensor) -> torch.Tensor:
     if array.dtype != numpy_dtype(like.dtype) and like.dtype is not torch.bool:
         return torch.from_numpy(np.ascontiguousarray(array))
     return torch_view(np.ascontiguousarray(array), like.dtype)
+
+
+def _small_view(tensor: torch.Tensor) -> np.ndarray | None:
+    """A NumPy view of a small CPU tensor NumPy can show as it is (no grad, no conjugate or negative bit); else None."""
+    if type(tensor) is not torch.Tensor or not tensor.is_cpu or tensor.nbytes > _SMALL_BYTES:
+        return None
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError):  # bfloat16, requires grad, ...
+        return None
+
+
+def _write_back(tensor: torch.Tensor, view: np.ndarray, result: np.ndarray) -> None:
+    """The result into the tensor: through its view where the dtypes match, else cast as torch casts (AVG of ints)."""
+    if result.dtype == view.dtype:
+        np.copyto(view, result)
+    else:
+        tensor.copy_(torch.from_numpy(result))
 
 
 def _copy_into(tensors: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:

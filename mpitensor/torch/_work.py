@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Completer", "Work", "done_work"]
+__all__ = ["Completer", "Work", "done_work", "finished_work"]
 
 
 class Work(dist.Work):
@@ -170,6 +170,22 @@ def done_work(outputs: Any, completer: Completer) -> Work:
     work = Work((), None, outputs, None, completer)
     work.complete(None)
     return work
+
+
+def finished_work(completer: Completer) -> Any:
+    """A work that is complete already, for calls that finish before they return.
+
+    torch waits on the work a synchronous call returns: this one is torch's own, made from a
+    finished future, so that wait stays in C++ instead of crossing into Python (a microsecond
+    of an 8-byte all-reduce). Where torch lacks that maker, a finished `Work`.
+    """
+    try:
+        from torch._C._distributed_c10d import _create_work_from_future
+    except ImportError:
+        return done_work([], completer)
+    future: Any = torch.futures.Future()
+    future.set_result([])
+    return _create_work_from_future(future)
 
 
 class Completer:

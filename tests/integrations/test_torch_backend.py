@@ -94,6 +94,24 @@ def test_all_reduce_avg(world, dtype):
     check(tensor, mean if dtype.is_floating_point else np.trunc(mean), dtype)
 
 
+def test_all_reduce_of_views_and_of_tensors_numpy_cannot_show(world):
+    """A slice of a larger tensor is reduced in its own memory only; a tensor that requires
+    grad or is bfloat16 (no NumPy view) and one of 64 KiB or more take the general path, alike."""
+    arrays = inputs("views", (3, 6), torch.float32, world.size)
+    base = torch.full((5, 6), -1.0)
+    base[1:4] = as_torch(arrays[world.rank], torch.float32)
+    dist.all_reduce(base[1:4])
+    check(base[1:4], np.sum(arrays, axis=0), torch.float32)
+    assert bool((base[0] == -1).all() and (base[4] == -1).all()), "the rows around the slice are untouched"
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        dist.all_reduce(torch.ones(2, requires_grad=True))
+    for dtype, shape in ((torch.bfloat16, (4,)), (torch.float32, (16384,)), (torch.float32, (16385,))):
+        arrays = inputs("general", shape, dtype, world.size)
+        tensor = as_torch(arrays[world.rank], dtype)
+        dist.all_reduce(tensor)
+        check(tensor, np.sum(arrays, axis=0), dtype)
+
+
 @pytest.mark.parametrize("factor", [2.5, "tensor"])
 def test_all_reduce_premul_sum(world, factor):
     arrays = inputs("premul", (6,), torch.float64, world.size)

@@ -6,10 +6,10 @@
  * finish, and mark it complete, under the engine's lock. The request is tested a few times
  * first; if it is still in flight, it is tested with the GIL released where the context
  * has no timeout, and where it has one the Python resolve takes over (it waits with the
- * timeout, the diagnosis and the progress of other groups). Every other case (a timeout
- * argument, an op completed, failed or still checking, protections from `assume_resolved`,
- * a closed context, a value settled later, a call from a signal handler that interrupted
- * the engine) is the Python resolve's from the start.
+ * timeout, the diagnosis and the progress of other groups); `resolve(None)` is `resolve()`.
+ * An op already complete gives its value at once. Every other case (a timeout argument, an
+ * op failed or still checking, protections from `assume_resolved`, a closed context, a call
+ * from a signal handler that interrupted the engine) is the Python resolve's from the start.
  *
  * The wait is not one blocking MPI_Wait, which would hold Ctrl-C until the peers arrive:
  * every SLICE_NS the engine's lock is let go and Python runs the handlers of the signals
@@ -215,8 +215,9 @@ static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_Format(PyExc_TypeError, "a LaneTensor is the handle of an engine Op, got %.100s", Py_TYPE(op)->tp_name);
         return NULL;
     }
-    if (nargs + (kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames)) != 0 || op == NULL || value == NULL ||
-        ctx == NULL || resolved == NULL)
+    /* resolve(None) is resolve(): the context's timeout (the Python resolve's own default). */
+    int no_timeout = (nargs == 0 || (nargs == 1 && args[0] == Py_None)) && kwnames == NULL;
+    if (!no_timeout || op == NULL || value == NULL || ctx == NULL || resolved == NULL)
         return general(self, args, nargs, kwnames);
     long state = state_of(op);
     int closed = nonempty(ctx, names.closed);
