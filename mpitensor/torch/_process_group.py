@@ -21,9 +21,11 @@ import torch.distributed as dist
 import mpitensor as mt
 
 from ._arrays import host_view, numpy_dtype, torch_view
+from ._completer import Completer
+from ._hooks import HookCollectives
 from ._monitored_barrier import monitored_barrier
 from ._reduce_ops import reduce_operation
-from ._work import Completer, Work, finished_work
+from ._work import Work, finished_work
 
 __all__ = ["BACKEND_NAME", "ProcessGroupMpitensor"]
 
@@ -61,6 +63,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._group_name = ""
         self._completed = finished_work(self._completer)
         self._group_desc = ""
+        # Made with the group, as every rank makes it: the communicator of callbacks' collectives.
+        self._hooks = HookCollectives(_group_comm(self._devices), timeout)
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -94,6 +98,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Called by ``dist.destroy_process_group``: run the shutdown action, once."""
         action, self._on_shutdown = self._on_shutdown, None
+        self._hooks.free()
         if action is not None:
             action()
 
@@ -112,7 +117,13 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     # -- reductions -------------------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
-        """``dist.all_reduce``: every tensor becomes the reduction over the group, in place."""
+        """``dist.all_reduce``: every tensor becomes the reduction over the group, in place.
+
+        Called by a future's callback (a communication hook such as PowerSGD), it runs there
+        on the callbacks' own communicator (see `HookCollectives`) and is complete on return.
+        """
+        if self._completer.on_thread():
+            return finished_work(self._completer, self._hooks.all_reduce(tensors, opts, self._completer.chain))
         op, factor = _operation(opts)
         devices = self._devices
         for tensor in tensors:
@@ -355,6 +366,18 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
 
 # -- argument checks and result writers -----------------------------------------------------
+
+
+def _group_comm(devices: list[int] | None) -> Any:
+    """A new MPI communicator of the group's ranks (collective over them, as torch makes groups)."""
+    comm = mt.current_context().comm
+    if devices is None:
+        return comm.Dup()
+    group = comm.Get_group().Incl(devices)
+    try:
+        return comm.Create_group(group)
+    finally:
+        group.Free()
 
 
 def _operation(opts: Any) -> tuple[mt.ReduceOperation, float | None]:

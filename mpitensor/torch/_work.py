@@ -2,16 +2,15 @@
 
 A `Work` holds the mpitensor handles of one torch call and a `finish` step that writes
 their results into the caller's output tensors. ``wait()`` resolves and finishes it.
-``get_future()`` gives a ``torch.futures.Future`` that completes with no one calling
-``wait()`` (DDP and its communication hooks chain on it): a `Completer` thread resolves
-such works in call order, so the thread that posted them goes on computing meanwhile.
+``get_future()`` gives a future that completes with no one calling ``wait()`` (DDP and its
+communication hooks chain on it): the `Completer` thread finishes such works in call order,
+so the thread that posted them goes on computing meanwhile, and runs their callbacks.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -19,7 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Completer", "Work", "done_work", "finished_work"]
+from ._completer import Completer, HookFuture
+
+__all__ = ["Work", "done_work", "finished_work"]
 
 
 class Work(dist.Work):
@@ -38,6 +39,7 @@ class Work(dist.Work):
     _finished = False
     _error: BaseException | None = None
     _future: torch.futures.Future | None = None
+    _deadline: float | None = None
 
     def __init__(
         self,
@@ -95,25 +97,25 @@ class Work(dist.Work):
         if self._error is not None:
             raise self._error
 
-    def complete_unwaited(self) -> None:
-        """`complete` from the completer thread: errors go to the future only.
+    def poll(self) -> bool:
+        """One step of `complete` for the completer thread: True once finished.
 
-        A wait inside MPI would hold the engine's lock (the posting thread could not start
-        the next collective), and a spinning wait would take the core the program computes
-        on: the thread tests the handles (each test advances MPI) between short sleeps,
-        and completes the work once they are done or the timeout has passed.
+        Tests the handles (each test advances MPI) and completes the work once they are done
+        or its timeout has passed; errors go to the future and to ``wait()`` only.
         """
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        pause = _FIRST_PAUSE
+        if self._deadline is None:
+            self._deadline = float("inf") if self._timeout is None else time.monotonic() + self._timeout
+        if not self._finished and time.monotonic() < self._deadline:
+            try:
+                if not all(handle.test() for handle in self._handles):
+                    return False
+            except BaseException:  # complete() raises it again, for the future to carry
+                pass
         try:
-            while not self._finished and not all(handle.test() for handle in self._handles):
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-                time.sleep(pause)
-                pause = min(2 * pause, _LONGEST_PAUSE)
             self.complete(self._timeout)
         except BaseException:  # the future and wait() carry it
             pass
+        return True
 
     def is_completed(self) -> bool:
         """True once the outputs are written (never blocks)."""
@@ -145,10 +147,13 @@ class Work(dist.Work):
         self.wait()
 
     def get_future(self) -> torch.futures.Future:
-        """A future that completes with the outputs when the collective does, unwaited."""
+        """A future that completes with the outputs when the collective does, unwaited.
+
+        Its callbacks run on the completer thread (see `HookFuture`).
+        """
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._future = HookFuture(self._completer, self._completer.open_chain())
                 if self._finished:
                     self._settle_future()
                 else:
@@ -172,53 +177,21 @@ def done_work(outputs: Any, completer: Completer) -> Work:
     return work
 
 
-def finished_work(completer: Completer) -> Any:
+def finished_work(completer: Completer, outputs: Any = ()) -> Any:
     """A work that is complete already, for calls that finish before they return.
 
     torch waits on the work a synchronous call returns: this one is torch's own, made from a
     finished future, so that wait stays in C++ instead of crossing into Python (a microsecond
     of an 8-byte all-reduce). Where torch lacks that maker, a finished `Work`.
+
+    Args:
+        completer: the group's completer (for the fallback `Work`).
+        outputs: the tensors the future's value lists.
     """
     try:
         from torch._C._distributed_c10d import _create_work_from_future
     except ImportError:
-        return done_work([], completer)
+        return done_work(list(outputs), completer)
     future: Any = torch.futures.Future()
-    future.set_result([])
+    future.set_result(list(outputs))
     return _create_work_from_future(future)
-
-
-class Completer:
-    """A daemon thread that completes works whose futures were asked for, in call order.
-
-    Works are completed one after another as each collective finishes; the thread waits
-    inside mpitensor's ``resolve`` (which may be called from any thread), never posting.
-    """
-
-    def __init__(self) -> None:
-        self._queue: deque[Work] = deque()
-        self._ready = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, work: Work) -> None:
-        """Complete `work` in the background (its future is then set)."""
-        with self._ready:
-            self._queue.append(work)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="mpitensor-torch-completer", daemon=True)
-                self._thread.start()
-            self._ready.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._ready:
-                while not self._queue:
-                    self._ready.wait()
-                work = self._queue.popleft()
-            work.complete_unwaited()
-
-
-# The completer's sleeps between tests: short at first (small buckets finish fast), at
-# most a fraction of a large bucket's transfer time.
-_FIRST_PAUSE = 20e-6
-_LONGEST_PAUSE = 500e-6
