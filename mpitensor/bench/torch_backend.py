@@ -40,7 +40,8 @@ def run_torch_backend(rounds: int = 7, progress: Callable[[str], None] | None = 
         dist = start_gloo(ctx.comm)
         group = dist.new_group(backend="mpitensor")
         try:
-            big, small = torch.ones(262144), torch.ones(2)
+            # Zeros: sums in place stay exact (ones would grow past float32, to inf, and warn).
+            big, small = torch.zeros(262144), torch.zeros(2)
             sum_ = mt.ReduceOperation.SUM
             variants = {
                 "1 MiB": {"gloo": (lambda: dist.all_reduce(big), 50),
