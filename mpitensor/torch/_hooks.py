@@ -11,7 +11,6 @@ a hang. It needs ``MPI_THREAD_MULTIPLE`` (two threads in MPI at once).
 
 from __future__ import annotations
 
-import time
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -21,13 +20,13 @@ import torch
 
 import mpitensor as mt
 
+from .._transport.mpi.side import SideComm, has_thread_multiple
 from ._reduce_ops import reduce_operation
 
 __all__ = ["HookCollectives"]
 
 _OPERATIONS = {"SUM", "MEAN"}
 _DTYPES = {torch.float32, torch.float64, torch.int32, torch.int64}
-_PAUSE = 20e-6
 
 
 class HookCollectives:
@@ -38,7 +37,7 @@ class HookCollectives:
         timeout: seconds a call may take; None for the mpitensor context's timeout.
     """
 
-    def __init__(self, comm: Any, timeout: float | None) -> None:
+    def __init__(self, comm: SideComm, timeout: float | None) -> None:
         self._comm = comm
         self._timeout = timeout
         self._calls: dict[int | None, int] = {}
@@ -46,9 +45,7 @@ class HookCollectives:
 
     def free(self) -> None:
         """Free the communicator (the group is ending)."""
-        if self._comm is not None and not _mpi().Is_finalized():
-            self._comm.Free()
-        self._comm = None
+        self._comm.free()
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], opts: Any, chain: int | None) -> list[torch.Tensor]:
         """Reduce each CPU tensor in place over the group (``SUM``, ``AVG``, ``PREMUL_SUM``).
@@ -82,40 +79,37 @@ class HookCollectives:
         for tensor in tensors:
             if factor is not None:
                 tensor.mul_(factor)
-            self._wait(self._comm.Iallreduce(_mpi().IN_PLACE, tensor.detach().numpy(), op=_mpi().SUM))
+            self._timed(self._comm.all_reduce_sum, tensor.detach().numpy())
             if op is mt.ReduceOperation.MEAN:
-                tensor.div_(self._comm.Get_size())
+                tensor.div_(self._comm.size)
         return list(tensors)
 
     def _agree(self, what: str, problem: str | None) -> None:
         mine = np.array([zlib.crc32(what.encode()), problem is not None], np.int64)
-        every = np.empty((self._comm.Get_size(), 2), np.int64)
-        self._wait(self._comm.Iallgather(mine, every))
+        every = self._timed(self._comm.all_gather_row, mine)
         if (every[:, 0] == mine[0]).all() and not every[:, 1].any():
             return
-        calls = self._comm.allgather(problem or what)  # every rank is here: the first gather showed it
+        calls = self._comm.all_gather_object(problem or what)  # every rank is here: the first gather showed it
         lines = "; ".join(f"rank {rank}: {call}" for rank, call in enumerate(calls))
         raise mt.CollectiveMismatchError(
             "a communication hook's callback started a collective its peers did not match "
             f"(callbacks whose collectives differ between ranks, or one not supported there): {lines}"
         )
 
-    def _wait(self, request: Any) -> None:
+    def _timed(self, call: Any, array: np.ndarray) -> Any:
         timeout = self._timeout if self._timeout is not None else mt.current_context().timeout
-        deadline = float("inf") if timeout is None else time.monotonic() + timeout
-        while not request.Test():
-            if time.monotonic() >= deadline:
-                self._broken = mt.CollectiveTimeoutError(
-                    f"a communication hook's collective did not complete within {timeout} s "
-                    "(a peer did not start it: is its backward stuck, or did it fail?)"
-                )
-                raise self._broken
-            time.sleep(_PAUSE)
+        try:
+            return call(array, timeout)
+        except mt.CollectiveTimeoutError as error:
+            self._broken = mt.CollectiveTimeoutError(
+                f"a communication hook's collective did not complete within {timeout} s "
+                "(a peer did not start it: is its backward stuck, or did it fail?)"
+            )
+            raise self._broken from error
 
 
 def _check_threads() -> None:
-    MPI = _mpi()  # noqa: N806 - mpi4py's name
-    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+    if not has_thread_multiple():
         raise mt.MpitensorError(
             "a collective inside a future's callback (PowerSGD's hook) needs MPI_THREAD_MULTIPLE, "
             "which this MPI does not provide; use a hook whose callbacks start no collectives"
@@ -135,10 +129,3 @@ def _problem(tensors: Sequence[torch.Tensor], op: mt.ReduceOperation, factor: fl
         if (op is mt.ReduceOperation.MEAN or factor is not None) and not tensor.is_floating_point():
             return f"AVG and PREMUL_SUM of {tensor.dtype} are not supported inside a callback (floats only)"
     return None
-
-
-def _mpi() -> Any:
-    """mpi4py's MPI module, imported once the context has initialized MPI (never at import)."""
-    from mpi4py import MPI
-
-    return MPI

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import mpitensor as mt
 
+from .._transport.mpi.side import SideComm
 from ._arrays import host_view, numpy_dtype, torch_view
 from ._completer import Completer
 from ._hooks import HookCollectives
@@ -64,7 +65,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._completed = finished_work(self._completer)
         self._group_desc = ""
         # Made with the group, as every rank makes it: the communicator of callbacks' collectives.
-        self._hooks = HookCollectives(_group_comm(self._devices), timeout)
+        self._hooks = HookCollectives(SideComm(mt.current_context().comm, self._devices), timeout)
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -366,18 +367,6 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
 
 # -- argument checks and result writers -----------------------------------------------------
-
-
-def _group_comm(devices: list[int] | None) -> Any:
-    """A new MPI communicator of the group's ranks (collective over them, as torch makes groups)."""
-    comm = mt.current_context().comm
-    if devices is None:
-        return comm.Dup()
-    group = comm.Get_group().Incl(devices)
-    try:
-        return comm.Create_group(group)
-    finally:
-        group.Free()
 
 
 def _operation(opts: Any) -> tuple[mt.ReduceOperation, float | None]:

@@ -9,6 +9,8 @@
 - `symmetric`: every rank sends and receives alike (all-gather, all-to-all, reduce-scatter,
   scan, barrier).
 - `p2p`: point-to-point messages.
+- `side`: a communicator of its own for a second thread's collectives (the torch backend's
+  communication hooks).
 
 The collectives with one way to move their data call these functions from their ``post``
 (they take a `Channel`, the buffers, datatypes and counts, and return the MPI requests);
