@@ -14,18 +14,20 @@ from .._core.tensor import Tensor, array_of
 from .._runtime.check import shared_record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group
-from .._transport.base import ReduceCall, select
-from .._transport.mpi import SMALL_BYTES
-from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED
-from .common import PLAIN_DTYPES, CollectiveTensor, Input, context_for, follow, result_device, take_input
+from .._transport.base import PrivateCopy, ReduceCall, select
+from .._transport.mpi import HELD_BYTES, SMALL_BYTES
+from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED, HELD_ALL_REDUCE
+from .common import PLAIN_DTYPES, CollectiveTensor, Input, check_record, context_for, follow, result_device, take_input
 from .fused import fused_all_reduce
 from .gpu_host import staged
 from .gpu_staged import gpu_all_reduce
 from .lane import keep_lane, start_reduction
-from .options import refuse_for_structure, refuse_on_gpu
+from .options import make_record, refuse_for_structure, refuse_on_gpu
 from .reduce_options import all_reduce_with_options
 
-__all__ = ["SMALL_BYTES", "all_reduce"]
+__all__ = ["HELD_BYTES", "SMALL_BYTES", "all_reduce", "all_reduce_held"]
+
+_HELD = (("in_place", 1),)  # the check's option that tells `all_reduce_held`'s calls apart
 
 
 def all_reduce(
@@ -89,6 +91,52 @@ def all_reduce(
     if devices is None and source.buffer is source.array and (source.array is input or source.tensor is input):
         keep_lane(call, op, record)  # later calls of this kind skip the planning above
     return handle
+
+
+def all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
+                    devices: DevicesArg = None) -> CollectiveTensor:
+    """`all_reduce` of a host array that its caller keeps unchanged until the result is resolved.
+
+    For callers that hold the input themselves (the torch backend: in torch's contract a
+    tensor handed to a collective is not touched until its work is waited for). The array
+    is read where it is, neither write-protected nor copied, and MPI reduces it in place
+    up to `HELD_BYTES` (the result is then the array itself); larger ones take the
+    transport an `all_reduce` would (`select.HELD_ALL_REDUCE`). The consistency check
+    tells its calls from `all_reduce`'s (option ``in_place``), so a rank that holds its
+    input and a peer that does not get `CollectiveMismatchError`, not two algorithms.
+    Inputs it cannot reduce in place (up to `SMALL_BYTES`, bool, MAX/MIN of floats, a
+    result of another dtype, not contiguous, read-only or not native) take `all_reduce`.
+
+    Args:
+        array: a host NumPy array, not written (by anyone) until the result is resolved.
+        op: the reduction, as `all_reduce`'s.
+        devices: the group, as `all_reduce`'s.
+
+    Returns:
+        A `CollectiveTensor`; its result may share the array's memory.
+
+    Raises:
+        As `all_reduce`.
+    """
+    ctx = context_for("all_reduce")
+    reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
+    plan = reduce_plan(reduce_op, array.dtype)
+    if not _holdable(array, plan):
+        return all_reduce(array, reduce_op, devices)
+    group = ctx.full_group if devices is None else ctx.group(devices, "all_reduce")
+    call = ReduceCall(ctx, group, PrivateCopy(array), plan, array.nbytes)
+    select(HELD_ALL_REDUCE, call).prepare(call)
+    record = make_record(_HELD, "all_reduce", reduce_op, array.dtype, array.shape, -1, group.members)
+    return start_reduction(call, check_record(ctx, group, record), ctx.cpu_device)
+
+
+def _holdable(array: Any, plan: Any) -> bool:
+    """Whether `array` can be reduced where it is: large, contiguous, native, and its own result dtype."""
+    return (
+        type(array) is np.ndarray and array.nbytes > SMALL_BYTES and array.flags.c_contiguous
+        and array.flags.writeable and array.dtype in PLAIN_DTYPES and array.dtype.kind != "b" and plan.codec is None
+        and plan.work_dtype == array.dtype == plan.out_dtype
+    )
 
 
 def _take(input: Any, devices: DevicesArg) -> tuple[DistributedContext, Input, Group]:  # noqa: A002

@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 import mpitensor as mt
 
+from .._collectives.all_reduce import all_reduce_held
+from .._runtime.entry import collective_entry
 from .._transport.mpi.side import SideComm
 from ._arrays import host_view, numpy_dtype, torch_view
 from ._completer import Completer
@@ -32,8 +34,17 @@ __all__ = ["BACKEND_NAME", "ProcessGroupMpitensor"]
 
 BACKEND_NAME = "mpitensor"
 # The largest tensor a synchronous all-reduce sends through its NumPy view (the compiled
-# lane's copies; larger ones are read in place through a copy-on-write clone).
+# lane's copies); larger CPU tensors are reduced in place through theirs (`_held_view`).
 _SMALL_BYTES = 64 << 10
+# torch's contract (a tensor in a collective is not touched until its work is waited for)
+# is the promise `all_reduce_held` asks for.
+_all_reduce_held = collective_entry("all_reduce")(all_reduce_held)
+# The dtypes `all_reduce_held` reduces in place (NumPy shows them; bool and half precision
+# are reduced through a converted copy anyway).
+_HELD_DTYPES = frozenset({
+    torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+    torch.complex64, torch.complex128,
+})
 
 # Tags of monitored_barrier's messages: the two highest mpitensor allows (torch programs'
 # own tags are small).
@@ -137,18 +148,17 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
                 # and the result written back with NumPy, no torch tensor made on the way.
                 _write_back(tensors[0], view, mt.all_reduce(view, op).resolve(self._timeout).numpy())
                 return self._completed
-        if devices is None and factor is None:
-            handles = [mt.all_reduce(tensor, op) for tensor in tensors]  # the form the compiled lane takes
-        else:
-            handles = [mt.all_reduce(tensor, op, devices, prescale_factor=factor) for tensor in tensors]
+        views = [_held_view(tensor) if factor is None else None for tensor in tensors]
+        handles = [_start_all_reduce(tensor, view, op, devices, factor) for tensor, view in zip(tensors, views)]
+        finish = _reduced_into(tensors, views)
         if waits:
             # dist.all_reduce(async_op=False) waits at once: done here, the call costs no
             # Work of its own and no second crossing into Python for wait().
             results = [handle.resolve(self._timeout) for handle in handles]
             del handles  # with them the inputs' copy-on-write clones (see Work.complete)
-            _copy_into(tensors)(results)
+            finish(results)
             return self._completed
-        return self._work(handles, _copy_into(tensors), tensors)
+        return self._work(handles, finish, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """``dist.all_reduce_coalesced`` and the coalescing manager: one fused all-reduce."""
@@ -432,6 +442,49 @@ def _as_torch(result: Any, like: torch.Tensor) -> torch.Tensor:
     return torch_view(np.ascontiguousarray(array), like.dtype)
 
 
+def _held_view(tensor: torch.Tensor) -> np.ndarray | None:
+    """The array a CPU tensor larger than `_SMALL_BYTES` is all-reduced in (`all_reduce_held`); else None.
+
+    Its NumPy view, or where NumPy cannot show the tensor as it is (a conjugate or negative
+    bit, a subclass that refuses) a private copy: whether a tensor takes the held path should
+    depend only on what the ranks agree on (device, dtype, size), or one rank would run
+    ``all_reduce_held`` and its peer ``all_reduce`` (a mismatch, if a clear one). A tensor
+    that requires grad is the exception: written through NumPy, autograd would not see it.
+    """
+    if (not tensor.is_cpu or tensor.nbytes <= _SMALL_BYTES or tensor.dtype not in _HELD_DTYPES
+            or tensor.requires_grad):  # autograd must see the write (torch.Tensor.copy_ shows it)
+        return None
+    detached = tensor.detach()
+    try:
+        return detached.numpy()
+    except (TypeError, RuntimeError):
+        return detached.resolve_conj().resolve_neg().clone().numpy()
+
+
+def _start_all_reduce(tensor: torch.Tensor, view: np.ndarray | None, op: mt.ReduceOperation,
+                      devices: list[int] | None, factor: float | None) -> Any:
+    """Start one tensor's all-reduce: in place through its `view` where it has one."""
+    if view is not None:
+        return _all_reduce_held(view, op, devices)
+    if devices is None and factor is None:
+        return mt.all_reduce(tensor, op)  # the form the compiled lane takes
+    return mt.all_reduce(tensor, op, devices, prescale_factor=factor)
+
+
+def _reduced_into(tensors: Sequence[torch.Tensor], views: Sequence[np.ndarray | None]) -> Callable[[list[Any]], None]:
+    """What writes all-reduce results into their tensors (nothing where one was reduced in place)."""
+    def finish(results: list[Any]) -> None:
+        for tensor, view, result in zip(tensors, views, results):
+            if view is None:
+                _copy_one(tensor, result)
+                continue
+            array = result.numpy()
+            if array.ctypes.data != tensor.data_ptr():  # not reduced in place, or in a private copy
+                tensor.copy_(torch.from_numpy(array))
+
+    return finish
+
+
 def _small_view(tensor: torch.Tensor) -> np.ndarray | None:
     """A NumPy view of a small CPU tensor NumPy can show as it is (no grad, no conjugate or negative bit); else None."""
     if type(tensor) is not torch.Tensor or not tensor.is_cpu or tensor.nbytes > _SMALL_BYTES:
@@ -453,10 +506,14 @@ def _write_back(tensor: torch.Tensor, view: np.ndarray, result: np.ndarray) -> N
 def _copy_into(tensors: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:
     def finish(results: list[Any]) -> None:
         for tensor, result in zip(tensors, results):
-            fits = type(result) is torch.Tensor and result.shape == tensor.shape
-            tensor.copy_(result if fits else _as_torch(result, tensor).reshape(tensor.shape))
+            _copy_one(tensor, result)
 
     return finish
+
+
+def _copy_one(tensor: torch.Tensor, result: Any) -> None:
+    fits = type(result) is torch.Tensor and result.shape == tensor.shape
+    tensor.copy_(result if fits else _as_torch(result, tensor).reshape(tensor.shape))
 
 
 def _split_into(outputs: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:

@@ -61,7 +61,7 @@ def check(got: torch.Tensor, expected: np.ndarray, dtype: torch.dtype) -> None:
     assert got.dtype is dtype
     values = got.float().numpy() if dtype is torch.bfloat16 else got.numpy()
     expected = np.asarray(expected)
-    if dtype.is_floating_point:
+    if dtype.is_floating_point or dtype.is_complex:
         tol = 1e-2 if dtype is torch.bfloat16 else 1e-5
         np.testing.assert_allclose(values, expected.astype(values.dtype), rtol=tol, atol=tol)
     else:
@@ -96,7 +96,8 @@ def test_all_reduce_avg(world, dtype):
 
 def test_all_reduce_of_views_and_of_tensors_numpy_cannot_show(world):
     """A slice of a larger tensor is reduced in its own memory only; a tensor that requires
-    grad or is bfloat16 (no NumPy view) and one of 64 KiB or more take the general path, alike."""
+    grad or is bfloat16 (no NumPy view) takes the general path, one of 64 KiB the small one's
+    and one larger the in-place one's, alike."""
     arrays = inputs("views", (3, 6), torch.float32, world.size)
     base = torch.full((5, 6), -1.0)
     base[1:4] = as_torch(arrays[world.rank], torch.float32)
@@ -110,6 +111,58 @@ def test_all_reduce_of_views_and_of_tensors_numpy_cannot_show(world):
         tensor = as_torch(arrays[world.rank], dtype)
         dist.all_reduce(tensor)
         check(tensor, np.sum(arrays, axis=0), dtype)
+
+
+LARGE_OPS = [
+    ("sum", torch.float32), ("sum", torch.int32), ("sum", torch.complex128), ("max", torch.float64),
+    ("min", torch.int64), ("product", torch.float64), ("avg", torch.float32), ("avg", torch.int64),
+    ("sum", torch.bfloat16), ("sum", torch.int8),
+]
+
+
+@pytest.mark.parametrize("op,dtype", LARGE_OPS, ids=str)
+@pytest.mark.parametrize("elements", [20_000, 700_000])  # either side of mpitensor's 2 MiB for MPI in place
+@pytest.mark.parametrize("async_op", [False, True])
+def test_all_reduce_of_large_tensors_in_their_own_memory(world, op, dtype, elements, async_op):
+    """Tensors above 64 KiB are reduced in place (MPI's in-place all-reduce or shared memory),
+    or through the general path where that cannot be (MAX of floats, AVG of integers, bfloat16)."""
+    arrays = inputs("large", (elements,), dtype, world.size)
+    tensor = as_torch(arrays[world.rank], dtype)
+    address = tensor.data_ptr()
+    stack = np.stack(arrays).astype(np.float64 if op == "avg" else arrays[0].dtype)
+    if op == "avg":
+        torch_op, expected = dist.ReduceOp.AVG, np.mean(stack, axis=0)
+        expected = expected if dtype.is_floating_point else np.trunc(expected)
+    else:
+        torch_op, ufunc = OPS[op]
+        expected = ufunc.reduce(stack)
+    work = dist.all_reduce(tensor, op=torch_op, async_op=async_op)
+    if async_op:
+        work.wait()
+    assert tensor.data_ptr() == address
+    check(tensor, expected, dtype)
+
+
+def test_all_reduce_of_large_tensors_numpy_cannot_show_as_they_are(world):
+    """A negative view (torch's negative bit) is reduced by its values, through a private copy."""
+    arrays = inputs("negative", (30_000,), torch.float64, world.size)
+    tensor = torch._neg_view(torch.from_numpy(-arrays[world.rank]))  # arrays[rank], with the negative bit
+    assert tensor.is_neg()
+    dist.all_reduce(tensor)
+    check(tensor.resolve_neg(), np.sum(arrays, axis=0), torch.float64)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_large_dist_all_reduce_against_a_peers_mt_all_reduce_is_a_mismatch_on_every_rank(world):
+    """The in-place all-reduce and mpitensor's own are told apart by the check (never two algorithms)."""
+    tensor = torch.ones(50_000)
+    with pytest.raises(mt.CollectiveMismatchError, match="in_place"):
+        if world.rank == 0:
+            dist.all_reduce(tensor)
+        else:
+            mt.all_reduce(tensor).resolve()
+    dist.all_reduce(tensor)  # the group is still usable
+    check(tensor, np.full(50_000, float(world.size)), torch.float32)
 
 
 @pytest.mark.parametrize("factor", [2.5, "tensor"])
