@@ -15,7 +15,7 @@ from .._runtime.check import shared_record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group
 from .._transport.base import PrivateCopy, ReduceCall, select
-from .._transport.mpi import HELD_BYTES, SMALL_BYTES
+from .._transport.mpi import SMALL_BYTES
 from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED, HELD_ALL_REDUCE
 from .common import PLAIN_DTYPES, CollectiveTensor, Input, check_record, context_for, follow, result_device, take_input
 from .fused import fused_all_reduce
@@ -25,7 +25,7 @@ from .lane import keep_lane, start_reduction
 from .options import make_record, refuse_for_structure, refuse_on_gpu
 from .reduce_options import all_reduce_with_options
 
-__all__ = ["HELD_BYTES", "SMALL_BYTES", "all_reduce", "all_reduce_held"]
+__all__ = ["SMALL_BYTES", "all_reduce", "all_reduce_held"]
 
 _HELD = (("in_place", 1),)  # the check's option that tells `all_reduce_held`'s calls apart
 
@@ -100,10 +100,10 @@ def all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
     For callers that hold the input themselves (the torch backend: in torch's contract a
     tensor handed to a collective is not touched until its work is waited for). The array
     is read where it is, neither write-protected nor copied, and MPI reduces it in place
-    up to `HELD_BYTES` (the result is then the array itself); larger ones take the
-    transport an `all_reduce` would (`select.HELD_ALL_REDUCE`). The consistency check
-    tells its calls from `all_reduce`'s (option ``in_place``), so a rank that holds its
-    input and a peer that does not get `CollectiveMismatchError`, not two algorithms.
+    (`select.HELD_ALL_REDUCE`: blocking, once the check has agreed); the result is the
+    array itself. The consistency check tells its calls from `all_reduce`'s (option
+    ``in_place``), so a rank that holds its input and a peer that does not get
+    `CollectiveMismatchError`, not two algorithms.
     Inputs it cannot reduce in place (up to `SMALL_BYTES`, bool, MAX/MIN of floats, a
     result of another dtype, not contiguous, read-only or not native) take `all_reduce`.
 
@@ -113,7 +113,8 @@ def all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
         devices: the group, as `all_reduce`'s.
 
     Returns:
-        A `CollectiveTensor`; its result may share the array's memory.
+        A `CollectiveTensor` whose result is the array (reduced), or for an input it
+        cannot reduce in place, `all_reduce`'s.
 
     Raises:
         As `all_reduce`.

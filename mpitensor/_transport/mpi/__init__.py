@@ -20,7 +20,6 @@ an operation with several ways to move its data has `Transport` objects chosen b
 from __future__ import annotations
 
 from .all_reduce import (
-    HELD_BYTES,
     SMALL_BYTES,
     Held,
     InPlace,
@@ -49,7 +48,7 @@ from .symmetric import (
 )
 
 __all__ = [
-    "HELD_BYTES", "SMALL_BYTES", "Held", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather", "all_gather_each",
+    "SMALL_BYTES", "Held", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather", "all_gather_each",
     "all_gatherv",
     "all_reduce_buckets", "all_reduce_buffers", "all_to_all", "all_to_allv", "barrier", "broadcast",
     "broadcast_each", "exscan", "gather", "gatherv", "in_place", "out_of_place", "recv", "reduce", "reduce_scatter",
