@@ -32,13 +32,14 @@ from .._core.state import open_contexts
 from .._core.tensor import Tensor, array_of, wrap_array
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Group, Op
+from .._runtime.ordering import set_barrier, wait_for_compiled
 from .._transport.base import ReduceCall
 from .._transport.inline import carry, reduce_carried, reduce_carried_keys
 from .._transport.mpi import SMALL_BYTES, in_place, out_of_place
 from .._transport.reduction import finish_reduction, needs_decoding, reduction_finisher, reduction_input
 from .._transport.select import IN_CHECK, IN_PLACE, PLAIN
 from .common import CollectiveTensor, Input, follow
-from .native import compiled_lane, forget, front
+from .native import compiled_lane, forget, front, set_before_call
 
 __all__ = ["LANES", "LANE_BYTES", "CheckLane", "CopyLane", "PlainLane", "keep_lane", "start_reduction", "with_lane"]
 
@@ -49,6 +50,17 @@ _MAX_LANES = 256  # kinds of call remembered per context; beyond, the lanes star
 # The largest input a lane takes. Beyond, the general path's planning (10-12 us) is a few
 # percent of the call; and from 512 KiB node peers usually reduce through shared memory.
 LANE_BYTES = 1 << 20
+
+
+def order_after_compiled(barrier: Callable[[], None]) -> None:
+    """Have every collective the owner thread calls wait for `barrier()` first, lanes included.
+
+    mpitensor.jax sets JAX's ``effects_barrier`` once it compiles a collective, so that an
+    eager call comes after the collectives of the programs dispatched before it (see
+    `_runtime.ordering`).
+    """
+    set_barrier(barrier)
+    set_before_call(wait_for_compiled)
 
 
 def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., CollectiveTensor]:
@@ -82,6 +94,7 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
         **options: Any,
     ) -> CollectiveTensor:
         if devices is None and open_contexts and not options and not more:
+            wait_for_compiled()
             kind = type(input)
             back = None
             if kind is np.ndarray:

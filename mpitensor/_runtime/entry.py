@@ -5,7 +5,8 @@ Two rules keep one rank's mistake from desynchronizing the group:
 - **One thread per context.** Collectives run in call order on every rank; two threads
   calling collectives of one context interleave differently on each rank, which pairs one
   thread's data with another's. A call from any thread but the one that opened the context
-  raises `ThreadMisuseError`. (`resolve()` and `test()` may be called from any thread.)
+  raises `ThreadMisuseError`. (`resolve()` and `test()` may be called from any thread; a
+  compiled JAX program's collectives run on XLA's threads, in an order `ordering` keeps.)
 - **A call that fails on its own rank still takes its turn.** A bad argument on one rank
   raises there, before anything is posted; its peers, which called the same collective,
   would otherwise pair their call with that rank's *next* one. So, with the consistency
@@ -29,6 +30,7 @@ from .._core.errors import DeviceError, MpitensorError, ThreadMisuseError, Trace
 from .._core.mpi import MPI
 from .._core.state import open_contexts
 from .check import Record
+from .ordering import is_delegated, wait_for_compiled
 
 __all__ = ["collective_entry"]
 
@@ -54,7 +56,10 @@ def collective_entry(kind: str) -> Callable[[F], F]:
                 return function(*args, **kwargs)
             ctx = open_contexts[-1]
             if threading.get_ident() != ctx.owner_thread:
-                raise _thread_error(kind, ctx)
+                if not is_delegated():
+                    raise _thread_error(kind, ctx)
+            else:
+                wait_for_compiled()
             engine = ctx.engine
             if engine.lock_held_here():
                 # A signal handler that interrupted this thread inside the engine: even a

@@ -6,7 +6,8 @@ static parameters (op, root, group, dtype...). XLA calls the compiled handler
 (``native/ffi.c``) with its buffers; the handler calls `run` with NumPy views of them, and
 `run` calls the site's eager collective with the result buffer as ``out=``. So a compiled
 call is checked, timed out and failed fast as every eager call is, and needs no MPI handle
-baked into the compiled program: it uses whichever context is open when it runs.
+baked into the compiled program: it uses whichever context is open when it runs. XLA runs
+it on one of its threads as often as on the caller's; `_runtime.ordering` keeps the order.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from .._collectives.lane import order_after_compiled
+from .._runtime.ordering import delegated
+
 TARGET = "mpitensor_collective"
 
 Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], None]
@@ -25,10 +29,21 @@ _sites: list[Runner] = []
 _numbers: dict[Any, int] = {}
 _lock = threading.Lock()
 _registered = False
+_ordered = False
 
 
 def site(key: Any, runner: Runner) -> int:
-    """The number of the call site `key` (hashable), made with `runner` the first time."""
+    """The number of the call site `key` (hashable), made with `runner` the first time.
+
+    Called as a program holding the site is compiled: from then on the owner thread's eager
+    collectives wait for the programs dispatched before them (`order_after_compiled`).
+    """
+    global _ordered
+    if not _ordered:
+        import jax
+
+        order_after_compiled(jax.effects_barrier)
+        _ordered = True
     with _lock:
         number = _numbers.get(key)
         if number is None:
@@ -38,8 +53,13 @@ def site(key: Any, runner: Runner) -> int:
 
 
 def run(number: int, inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, ...]) -> None:
-    """Run call site `number` on XLA's buffers (called by the compiled handler)."""
-    _sites[number](inputs, results)
+    """Run call site `number` on XLA's buffers (called by the compiled handler).
+
+    XLA calls it on the thread that runs the program, often one of its own: the call is the
+    owner thread's, delegated (`_runtime.ordering`).
+    """
+    with delegated():
+        _sites[number](inputs, results)
 
 
 def register() -> None:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
+from tests.helpers import rank_input, seed_of
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -35,6 +36,51 @@ def test_all_reduce_dtypes_jit(module_ctx, dtype):
         expected = expected % 256  # integers wrap as NumPy's do
     assert result.dtype == x.dtype and result.shape == x.shape
     np.testing.assert_allclose(np.asarray(result).astype(wide), expected, rtol=1e-2 if "16" in dtype else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "int8", "bfloat16"])
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+def test_large_all_reduces_jit(module_ctx, op, dtype):
+    """Above 64 KiB the input is copied into XLA's result and reduced there in place (or, where
+    that cannot be, the result copied in): two in one jitted function, against NumPy."""
+    size, rank = module_ctx.size, module_ctx.rank
+    if op == "mean" and dtype in ("int32", "int8"):
+        pytest.skip("mpitensor.jax's mean takes floating arrays")
+    count = 40_000 if dtype in ("float32", "int32") else 70_000  # 140-160 KiB
+
+    def values(r, salt):
+        return rank_input(seed_of("large-jit", op, dtype, salt), r, (count,), np.float32 if dtype in (
+            "float32", "bfloat16") else np.dtype(dtype))
+
+    x, y = (jnp.asarray(values(rank, salt)).astype(dtype) for salt in (0, 1))
+    first, second = jax.jit(lambda a, b: (mtj.all_reduce(a, op), mtj.all_reduce(b * 2, op)))(x, y)
+    numpy_op = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
+    for result, salt, scale in ((first, 0, 1), (second, 1, 2)):
+        inputs = np.stack([np.asarray(jnp.asarray(values(r, salt)).astype(dtype) * scale).astype(np.float64)
+                           for r in range(size)])
+        expected = numpy_op(inputs, axis=0)
+        assert result.shape == (count,)
+        if dtype == "int8":  # integers wrap as NumPy's do
+            expected = expected.astype(np.int64).astype(np.int8)
+        got = np.asarray(result).astype(np.float64)
+        np.testing.assert_allclose(got, expected, rtol=2e-2 if dtype == "bfloat16" else 1e-5, atol=1e-6)  # sums near 0
+
+
+@pytest.mark.parametrize("count", [12, 40_000, 400_000])
+def test_collectives_of_programs_xla_runs_on_its_own_threads(module_ctx, count):
+    """Where a program computes before its collectives, XLA runs them on a thread of its own
+    (above a few thousand elements): they are the owner thread's, in the program's order; an
+    eager call of the same kind right after the program comes after them on every rank."""
+    size, rank = module_ctx.size, module_ctx.rank
+    program = jax.jit(lambda a: (mtj.all_reduce(jnp.sin(a) * 2, "sum"), mtj.all_reduce(a * 3, "sum")))
+    for round_ in range(3):
+        x = jnp.full(count, rank + round_, jnp.float32)
+        first, second = program(x)
+        eager = mt.all_reduce(np.full(count, 5.0 * (rank + 1), np.float32)).resolve().numpy()
+        inputs = [np.full(count, r + round_, np.float32) for r in range(size)]
+        np.testing.assert_allclose(first, np.sum([np.sin(i) * 2 for i in inputs], 0), rtol=1e-5)
+        np.testing.assert_allclose(second, np.sum([i * 3 for i in inputs], 0), rtol=1e-6)
+        np.testing.assert_array_equal(eager, np.full(count, 5.0 * sum(range(1, size + 1)), np.float32))
 
 
 def test_mean_and_its_gradient(module_ctx):

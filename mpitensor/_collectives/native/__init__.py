@@ -61,7 +61,7 @@ try:
 except ImportError:  # not built: the Python lanes record in the Python ring
     _Ring = None
 
-__all__ = ["LaneTensor", "built", "compiled_lane", "forget", "front", "leaf_loops", "status"]
+__all__ = ["LaneTensor", "built", "compiled_lane", "forget", "front", "leaf_loops", "set_before_call", "status"]
 
 # ReduceOperation to the C loops' op codes (MEAN reduces as SUM, then divides).
 _OP_CODES = {
@@ -194,6 +194,12 @@ def forget(ctx: Any) -> None:
     """
     if _lanes is not None:
         _lanes.forget(ctx)
+
+
+def set_before_call(function: Callable[[], None] | None) -> None:
+    """Have every call of the compiled entry run `function()` first (None: nothing more)."""
+    if _lanes is not None:
+        _lanes.set_before_call(function)
 
 
 def built() -> bool:

@@ -124,8 +124,31 @@ static PyObject *on_lane(PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
     return lane_start(lane, tensor, array);
 }
 
+/* What every call runs first once set (`set_before_call`): the wait for compiled programs
+ * whose collectives come before it (`_runtime/ordering.py`). */
+static PyObject *before_call;
+
+const char set_before_call_doc[] =
+"set_before_call(function)\n--\n\n"
+"Have every call run `function()` first (None: nothing), before it looks for its lane.";
+
+PyObject *set_before_call(PyObject *module, PyObject *function) {
+    (void)module;
+    if (function != Py_None && !PyCallable_Check(function)) {
+        PyErr_SetString(PyExc_TypeError, "set_before_call(function): function must be callable or None");
+        return NULL;
+    }
+    Py_XSETREF(before_call, function == Py_None ? NULL : Py_NewRef(function));
+    Py_RETURN_NONE;
+}
+
 static PyObject *Entry_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (before_call != NULL) {
+        PyObject *done = PyObject_CallNoArgs(before_call);
+        if (done == NULL) return NULL;
+        Py_DECREF(done);
+    }
     PyObject *handle = on_lane(args, nargs, kwnames);
     if (handle != Py_None) return handle;
     Py_DECREF(handle);

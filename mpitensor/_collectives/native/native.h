@@ -156,6 +156,8 @@ void lane_cache_insert(PyObject *lane);
 PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op);
 PyObject *lane_cache_forget(PyObject *module, PyObject *ctx);
 extern const char forget_doc[];
+PyObject *set_before_call(PyObject *module, PyObject *function);
+extern const char set_before_call_doc[];
 extern PyMethodDef handle_resolve_def;
 PyObject *make_tensor(PyObject *array, PyObject *device);
 
