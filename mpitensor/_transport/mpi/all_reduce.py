@@ -143,9 +143,10 @@ class Held:
     posts a call's data only once its consistency check has agreed, that is once every peer
     has reached the same call, so blocking there waits for nobody who is not coming (a peer
     that dies meanwhile ends the job), and MPI's blocking algorithms are the fast ones: at
-    1-16 MiB on 2 ranks of one node Open MPI's blocking in-place all-reduce took 0.37-0.58x
-    the time of its nonblocking one, MPICH's and Intel MPI's the same time; either beat
-    mpitensor's shared memory with a copy back into the caller's array (0.30-0.72x).
+    1-16 MiB on 2 ranks of one node Open MPI's blocking in-place all-reduce took 0.32-0.54x
+    the time of its nonblocking one, MPICH's and Intel MPI's the same time, and each MPI's
+    took 0.27-0.88x the time of mpitensor's shared memory with a copy back into the caller's
+    array (`scripts/held_all_reduce.py`).
     Unchecked calls (whose peers may not have arrived) take the nonblocking `OnCopy`.
     """
 
