@@ -105,6 +105,7 @@ with mt.DistributedContext.init() as ctx:
     assert not engine.busy() and not engine.posted
     handles = ctx._mpi_handles()
 report("growth_mb", growth / 2**20)
+report("intel_mpi", "Intel" in MPI.Get_library_version())
 report("freed", all(comm == MPI.COMM_NULL for comm in handles), len(handles))
 report("done", OPS)
 """
@@ -114,7 +115,13 @@ def test_twenty_thousand_mixed_collectives_on_four_ranks(tmp_path):
     result = run_job(SOAK.format(root=str(ROOT), ops=20_000), 4, timeout=600, tmp_path=tmp_path)
     assert result.returncode == 0, result.output[-4000:]
     assert result.reported("done") == ["done 20000"] * 4
+    # Intel MPI keeps memory of its own for the sizes it has seen: raw mpi4py nonblocking
+    # all-reduces, broadcasts and all-gathers of random sizes grew its RSS by 26 MB over 40,000
+    # calls, flat from the 25,000th (Open MPI's: 0.5 MB), and this soak's by 52-68 MB, flat
+    # from the 15,000th, against 14-28 MB under Open MPI. A leak of mpitensor's own of 2.5 KB
+    # a call (5 KB under Intel MPI) fails it.
+    bound = 100 if result.reported("intel_mpi") == ["intel_mpi True"] * 4 else 50
     for line in result.reported("growth_mb"):
-        assert float(line.split()[1]) < 50, line
+        assert float(line.split()[1]) < bound, line
     for line in result.reported("freed"):
         assert line.startswith("freed True"), line
