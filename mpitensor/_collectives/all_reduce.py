@@ -14,6 +14,7 @@ from .._core.tensor import Tensor, array_of
 from .._runtime.check import shared_record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group
+from .._runtime.entry import collective_entry
 from .._transport.base import PrivateCopy, ReduceCall, select
 from .._transport.mpi import SMALL_BYTES
 from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED, HELD_ALL_REDUCE
@@ -93,8 +94,8 @@ def all_reduce(
     return handle
 
 
-def all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
-                    devices: DevicesArg = None) -> CollectiveTensor:
+def _all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
+                     devices: DevicesArg = None) -> CollectiveTensor:
     """`all_reduce` of a host array that its caller keeps unchanged until the result is resolved.
 
     For callers that hold the input themselves (the torch backend: in torch's contract a
@@ -129,6 +130,10 @@ def all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
     select(HELD_ALL_REDUCE, call).prepare(call)
     record = make_record(_HELD, "all_reduce", reduce_op, array.dtype, array.shape, -1, group.members)
     return start_reduction(call, check_record(ctx, group, record), ctx.cpu_device)
+
+
+# Called by the torch backend and mpitensor.jax as the public collectives are: behind their entry.
+all_reduce_held = collective_entry("all_reduce")(_all_reduce_held)
 
 
 def _holdable(array: Any, plan: Any) -> bool:

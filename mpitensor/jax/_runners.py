@@ -14,7 +14,6 @@ import numpy as np
 import mpitensor as mt
 
 from .._collectives.all_reduce import SMALL_BYTES, all_reduce_held
-from .._runtime.entry import collective_entry
 
 Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], None]
 
@@ -39,18 +38,14 @@ def _typed(array: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.nda
     return array.view(dtype).reshape(shape)
 
 
-# XLA's result buffer is the compiled call's own until it returns: the promise
-# `all_reduce_held` asks for.
-_all_reduce_held = collective_entry("all_reduce")(all_reduce_held)
-
-
 def _all_reduce(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
     if out.nbytes > SMALL_BYTES and out.dtype == source.dtype:
         # The input copied into XLA's result buffer and reduced there by MPI in place (1 MiB
         # inside jax.jit on 2 Open MPI ranks: 0.68-0.70 ms against 0.82 ms for the
-        # shared-memory transport's fresh result copied in).
+        # shared-memory transport's fresh result copied in). XLA's result buffer is the call's
+        # own until it returns: the promise all_reduce_held asks for.
         np.copyto(out, source)
-        result = _all_reduce_held(out, params["op"], params["devices"]).resolve().numpy()
+        result = all_reduce_held(out, params["op"], params["devices"]).resolve().numpy()
         if not np.shares_memory(result, out):  # a call it cannot reduce in place
             np.copyto(out, result)
         return

@@ -21,7 +21,6 @@ import torch.distributed as dist
 import mpitensor as mt
 
 from .._collectives.all_reduce import all_reduce_held
-from .._runtime.entry import collective_entry
 from .._transport.mpi.side import SideComm
 from ._arrays import host_view, numpy_dtype, torch_view
 from ._completer import Completer
@@ -36,9 +35,6 @@ BACKEND_NAME = "mpitensor"
 # The largest tensor a synchronous all-reduce sends through its NumPy view (the compiled
 # lane's copies); larger CPU tensors are reduced in place through theirs (`_held_view`).
 _SMALL_BYTES = 64 << 10
-# torch's contract (a tensor in a collective is not touched until its work is waited for)
-# is the promise `all_reduce_held` asks for.
-_all_reduce_held = collective_entry("all_reduce")(all_reduce_held)
 # The dtypes `all_reduce_held` reduces in place (NumPy shows them; bool and half precision
 # are reduced through a converted copy anyway).
 _HELD_DTYPES = frozenset({
@@ -465,7 +461,9 @@ def _start_all_reduce(tensor: torch.Tensor, view: np.ndarray | None, op: mt.Redu
                       devices: list[int] | None, factor: float | None) -> Any:
     """Start one tensor's all-reduce: in place through its `view` where it has one."""
     if view is not None:
-        return _all_reduce_held(view, op, devices)
+        # torch's contract (a tensor in a collective is not touched until its work is waited
+        # for) is the promise all_reduce_held asks for.
+        return all_reduce_held(view, op, devices)
     if devices is None and factor is None:
         return mt.all_reduce(tensor, op)  # the form the compiled lane takes
     return mt.all_reduce(tensor, op, devices, prescale_factor=factor)
