@@ -15,7 +15,7 @@ from .._runtime.check import shared_record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group
 from .._runtime.entry import collective_entry
-from .._transport.base import PrivateCopy, ReduceCall, select
+from .._transport.base import HeldBuffers, ReduceCall, select
 from .._transport.mpi import SMALL_BYTES
 from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED, HELD_ALL_REDUCE
 from .common import PLAIN_DTYPES, CollectiveTensor, Input, check_record, context_for, follow, result_device, take_input
@@ -28,7 +28,9 @@ from .reduce_options import all_reduce_with_options
 
 __all__ = ["SMALL_BYTES", "all_reduce", "all_reduce_held"]
 
-_HELD = (("in_place", 1),)  # the check's option that tells `all_reduce_held`'s calls apart
+# The check's option that tells `all_reduce_held`'s calls apart: in place, or into `out`.
+_HELD = (("in_place", 1),)
+_HELD_INTO = (("in_place", 0),)
 
 
 def all_reduce(
@@ -95,40 +97,50 @@ def all_reduce(
 
 
 def _all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
-                     devices: DevicesArg = None) -> CollectiveTensor:
+                     devices: DevicesArg = None, *, out: np.ndarray | None = None) -> CollectiveTensor:
     """`all_reduce` of a host array that its caller keeps unchanged until the result is resolved.
 
     For callers that hold the input themselves (the torch backend: in torch's contract a
-    tensor handed to a collective is not touched until its work is waited for). The array
-    is read where it is, neither write-protected nor copied, and MPI reduces it in place
-    (`select.HELD_ALL_REDUCE`: blocking, once the check has agreed); the result is the
-    array itself. The consistency check tells its calls from `all_reduce`'s (option
-    ``in_place``), so a rank that holds its input and a peer that does not get
+    tensor handed to a collective is not touched until its work is waited for; XLA's buffers
+    inside a compiled program). The array is read where it is, neither write-protected nor
+    copied, and MPI reduces it in place, or into `out` (`select.HELD_ALL_REDUCE`: blocking,
+    once the check has agreed). The consistency check tells its calls from `all_reduce`'s,
+    and in-place calls from calls into `out` (option ``in_place`` 1 or 0: MPI takes
+    ``MPI_IN_PLACE`` from every rank or from none), so ranks that disagree get
     `CollectiveMismatchError`, not two algorithms.
-    Inputs it cannot reduce in place (up to `SMALL_BYTES`, bool, MAX/MIN of floats, a
-    result of another dtype, not contiguous, read-only or not native) take `all_reduce`.
+    Inputs it cannot reduce this way take `all_reduce` (with `out`): bool, MAX/MIN of
+    floats, a result of another dtype, not contiguous or not native; in place also up to
+    `SMALL_BYTES` (the lanes are faster there) and read-only arrays.
 
     Args:
         array: a host NumPy array, not written (by anyone) until the result is resolved.
         op: the reduction, as `all_reduce`'s.
         devices: the group, as `all_reduce`'s.
+        out: None (or `array`) to reduce in place; else a writable contiguous array of the
+            input's shape and dtype, not overlapping it, that nobody reads until the result
+            is resolved.
 
     Returns:
-        A `CollectiveTensor` whose result is the array (reduced), or for an input it
-        cannot reduce in place, `all_reduce`'s.
+        A `CollectiveTensor` whose result is the array (reduced) or `out`, or for an input
+        it cannot take this way, `all_reduce`'s.
 
     Raises:
-        As `all_reduce`.
+        ValueError: `out` is not of the input's shape and dtype, or overlaps it.
+        As `all_reduce` otherwise.
     """
     ctx = context_for("all_reduce")
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     plan = reduce_plan(reduce_op, array.dtype)
-    if not _holdable(array, plan):
-        return all_reduce(array, reduce_op, devices)
+    into = out is not None and out is not array
+    if into:
+        _check_held_out(array, out)
+    if not _holdable(array, plan, into):
+        return all_reduce(array, reduce_op, devices, out=out if into else None)
     group = ctx.full_group if devices is None else ctx.group(devices, "all_reduce")
-    call = ReduceCall(ctx, group, PrivateCopy(array), plan, array.nbytes)
+    call = ReduceCall(ctx, group, HeldBuffers(array, out if into else array), plan, array.nbytes)
     select(HELD_ALL_REDUCE, call).prepare(call)
-    record = make_record(_HELD, "all_reduce", reduce_op, array.dtype, array.shape, -1, group.members)
+    record = make_record(_HELD_INTO if into else _HELD, "all_reduce", reduce_op, array.dtype, array.shape, -1,
+                         group.members)
     return start_reduction(call, check_record(ctx, group, record), ctx.cpu_device)
 
 
@@ -136,13 +148,29 @@ def _all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
 all_reduce_held = collective_entry("all_reduce")(_all_reduce_held)
 
 
-def _holdable(array: Any, plan: Any) -> bool:
-    """Whether `array` can be reduced where it is: large, contiguous, native, and its own result dtype."""
+def _holdable(array: Any, plan: Any, into: bool) -> bool:
+    """Whether `array` can be reduced where it is: contiguous, native, its own result dtype (in place: large, writable)."""
     return (
-        type(array) is np.ndarray and array.nbytes > SMALL_BYTES and array.flags.c_contiguous
-        and array.flags.writeable and array.dtype in PLAIN_DTYPES and array.dtype.kind != "b" and plan.codec is None
-        and plan.work_dtype == array.dtype == plan.out_dtype
+        type(array) is np.ndarray and array.flags.c_contiguous and array.dtype in PLAIN_DTYPES
+        and array.dtype.kind != "b" and plan.codec is None and plan.work_dtype == array.dtype == plan.out_dtype
+        and (into or (array.nbytes > SMALL_BYTES and array.flags.writeable))
     )
+
+
+def _check_held_out(array: np.ndarray, out: Any) -> None:
+    """Refuse an `out` that `all_reduce_held` cannot write the result of `array` into.
+
+    Raises:
+        ValueError: not a writable contiguous NumPy array of the input's shape and dtype, or
+            overlapping the input.
+    """
+    if (type(out) is not np.ndarray or out.shape != array.shape or out.dtype != array.dtype
+            or not out.flags.c_contiguous or not out.flags.writeable):
+        got = f"{type(out).__name__} {getattr(out, 'dtype', '?')}{list(getattr(out, 'shape', ()))}"
+        raise ValueError(f"all_reduce_held: out must be a writable contiguous NumPy array of the input's "
+                         f"{array.dtype}{list(array.shape)}, got {got}")
+    if np.shares_memory(array, out):
+        raise ValueError("all_reduce_held: out overlaps the input; pass out=None to reduce the input in place")
 
 
 def _take(input: Any, devices: DevicesArg) -> tuple[DistributedContext, Input, Group]:  # noqa: A002

@@ -5,8 +5,8 @@ in call order. A compiled JAX program is the exception: XLA runs its collectives
 its own threads, after the owner thread dispatched the program and went on. Two rules keep
 the order every rank sees the same:
 
-- The thread running a compiled program's collective calls it `delegated` by the owner
-  (`delegated()` around the call): it may call collectives, in the program's order, which
+- The thread running a compiled program's collective calls it delegated by the owner
+  (`run_delegated`): it may call collectives, in the program's order, which
   JAX keeps among programs (mpitensor.jax's effect is ordered).
 - Once a program holding collectives has been compiled (`set_barrier`), a collective called
   by the owner thread first waits for every such program dispatched before it
@@ -16,29 +16,34 @@ the order every rank sees the same:
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-__all__ = ["delegated", "is_delegated", "set_barrier", "wait_for_compiled"]
+__all__ = ["is_delegated", "run_delegated", "set_barrier", "wait_for_compiled"]
+
+T = TypeVar("T")
 
 _local = threading.local()
 _barrier: Callable[[], None] | None = None
 
 
-@contextlib.contextmanager
-def delegated() -> Iterator[None]:
-    """Let this thread call collectives for the owner thread during the block (a compiled program's call)."""
+def run_delegated(function: Callable[..., T], *args: Any) -> T:
+    """Call `function(*args)`, this thread calling collectives for the owner thread meanwhile (a compiled program's).
+
+    A function rather than a context manager: it runs around every collective of a compiled
+    program, and a generator-based ``with`` costs a few microseconds more per call.
+    """
     previous = getattr(_local, "delegated", False)
     _local.delegated = True
     try:
-        yield
+        return function(*args)
     finally:
         _local.delegated = previous
 
 
 def is_delegated() -> bool:
-    """Whether this thread is running a compiled program's collective (`delegated`)."""
+    """Whether this thread is running a compiled program's collective (`run_delegated`)."""
     return getattr(_local, "delegated", False)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-__all__ = ["Channel", "Host", "PrivateCopy", "ReduceCall", "Stepper", "Transport", "select"]
+__all__ = ["Channel", "HeldBuffers", "Host", "PrivateCopy", "ReduceCall", "Stepper", "Transport", "select"]
 
 
 class Stepper(Protocol):
@@ -132,6 +132,30 @@ class PrivateCopy:
 
     def guard(self, ctx: Any) -> tuple[Any, ...]:
         """Nothing to protect: the copy is private."""
+        return ()
+
+
+class HeldBuffers:
+    """An input and a result buffer that their caller holds unchanged until the call completes.
+
+    Nobody writes `array` or reads `out` meanwhile (the torch backend's tensors, XLA's
+    buffers inside a compiled program), so nothing is protected or copied: MPI reads the
+    one and writes the other, which may be the same array (reduced in place).
+
+    Args:
+        array: the contiguous host input.
+        out: the contiguous host array the result lands in (`array` for in place).
+    """
+
+    __slots__ = ("array", "buffer", "copied", "out")
+
+    def __init__(self, array: Any, out: Any) -> None:
+        self.array = self.buffer = array
+        self.out = out
+        self.copied = True
+
+    def guard(self, ctx: Any) -> tuple[Any, ...]:
+        """Nothing to protect: the caller holds both buffers."""
         return ()
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._collectives.lane import order_after_compiled
-from .._runtime.ordering import delegated
+from .._runtime.ordering import run_delegated
 
 TARGET = "mpitensor_collective"
 
@@ -58,8 +58,7 @@ def run(number: int, inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, 
     XLA calls it on the thread that runs the program, often one of its own: the call is the
     owner thread's, delegated (`_runtime.ordering`).
     """
-    with delegated():
-        _sites[number](inputs, results)
+    run_delegated(_sites[number], inputs, results)
 
 
 def register() -> None:

@@ -1,10 +1,10 @@
-"""`all_reduce_held`: an input its caller holds unchanged, reduced in its own memory.
+"""`all_reduce_held`: an input its caller holds unchanged, reduced in its own memory or into its buffer.
 
-The torch backend's large all-reduces take it. Every rank's result is compared with the NumPy
-reference of every rank's input, with the check on (MPI's blocking all-reduce in place, once
-the check agreed) and off (the nonblocking one), and the inputs it cannot reduce in place
-(small, bool, half precision, MAX/MIN of floats, MEAN of integers) still give `all_reduce`'s
-result.
+The torch backend's large all-reduces take it in place, mpitensor.jax's into XLA's result
+buffer. Every rank's result is compared with the NumPy reference of every rank's input, with
+the check on (MPI's blocking all-reduce, once the check agreed) and off (the nonblocking
+one), and the inputs it cannot take (small ones in place, bool, half precision, MAX/MIN of
+floats, MEAN of integers) still give `all_reduce`'s result, in `out` where one is given.
 """
 
 from __future__ import annotations
@@ -84,3 +84,55 @@ def test_a_held_call_against_a_peers_all_reduce_is_a_mismatch_on_every_rank(held
             mt.all_reduce(array).resolve()
     result = all_reduce_held(array, OP.SUM).resolve().numpy()  # the group is still usable
     np.testing.assert_array_equal(result, np.full(20_000, float(held_ctx.size)))
+
+
+@pytest.mark.parametrize("shape", [(2,), (3000,), *SHAPES], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", list(OP), ids=lambda o: o.name)
+def test_into_out_every_op_and_dtype_against_numpy(held_ctx, op, dtype, shape):
+    ctx = held_ctx
+    seed = seed_of("held-into", op.name, np.dtype(dtype).name, shape)
+    array = rank_input(seed, ctx.rank, shape, dtype)
+    array.flags.writeable = False  # an input read where it is may be read-only (XLA's)
+    kept = array.copy()
+    if rejects(op, dtype):
+        with pytest.raises(TypeError, match="bitwise reduction"):
+            all_reduce_held(array, op, out=np.empty_like(array))
+        return
+    expected = reference(op, [rank_input(seed, r, shape, dtype) for r in range(ctx.size)])
+    if expected.dtype != array.dtype:  # MEAN of integers: all_reduce's float64 result, out not taken
+        with pytest.raises(TypeError):
+            all_reduce_held(array, op, out=np.empty_like(array)).resolve()
+        return
+    out = np.empty_like(array)
+    result = all_reduce_held(array, op, out=out).resolve().numpy()
+    assert np.shares_memory(result, out), "the result is out"
+    assert_matches(out, expected, op, ctx.size)
+    np.testing.assert_array_equal(array, kept)
+
+
+def test_into_out_refuses_what_it_cannot_write_on_the_calling_rank(held_ctx):
+    memory = np.ones(1001)
+    array = memory[:1000]
+    for out, message in [(np.ones(999), "out must be"), (np.ones(1000, np.float32), "out must be"),
+                         (np.ones(2000)[::2], "out must be"), (memory[1:], "overlaps the input"),
+                         (array.tolist(), "out must be")]:
+        with pytest.raises(ValueError, match=message):
+            all_reduce_held(array, OP.SUM, out=out)
+    result = all_reduce_held(array, OP.SUM, out=np.empty(1000)).resolve().numpy()  # nothing was started
+    np.testing.assert_array_equal(result, np.full(1000, float(held_ctx.size)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_into_out_against_a_peers_in_place_call_is_a_mismatch_on_every_rank(held_ctx):
+    if not held_ctx.config.check:
+        pytest.skip("the check tells the two apart")
+    array = np.ones(20_000)
+    with pytest.raises(mt.CollectiveMismatchError, match="in_place"):
+        if held_ctx.rank == 0:
+            all_reduce_held(array, OP.SUM, out=np.empty_like(array)).resolve()
+        else:
+            all_reduce_held(array, OP.SUM).resolve()
+    out = np.empty_like(array)
+    all_reduce_held(array, OP.SUM, out=out).resolve()  # the group is still usable
+    np.testing.assert_array_equal(out, np.full(20_000, float(held_ctx.size)))

@@ -2,8 +2,9 @@
 
 - `all_reduce`: the all-reduce as transports (`InPlace` for small messages, `Plain` the
   catch-all that ends every host all-reduce's list in `select`, `OnCopy` in place on a
-  staged GPU copy), `all_reduce_buffers` for device buffers and `all_reduce_buckets` for
-  the fused all-reduce's buckets.
+  staged GPU copy, `Held` and `HeldUnchecked` on buffers their caller holds),
+  `all_reduce_buffers` for device buffers and `all_reduce_buckets` for the fused
+  all-reduce's buckets.
 - `rooted`: one rank sends to the group or receives from it (broadcast, reduce, gather,
   scatter).
 - `symmetric`: every rank sends and receives alike (all-gather, all-to-all, reduce-scatter,
@@ -22,6 +23,7 @@ from __future__ import annotations
 from .all_reduce import (
     SMALL_BYTES,
     Held,
+    HeldUnchecked,
     InPlace,
     OnCopy,
     Plain,
@@ -48,9 +50,9 @@ from .symmetric import (
 )
 
 __all__ = [
-    "SMALL_BYTES", "Held", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather", "all_gather_each",
-    "all_gatherv",
-    "all_reduce_buckets", "all_reduce_buffers", "all_to_all", "all_to_allv", "barrier", "broadcast",
+    "SMALL_BYTES", "Held", "HeldUnchecked", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather",
+    "all_gather_each", "all_gatherv", "all_reduce_buckets", "all_reduce_buffers", "all_to_all", "all_to_allv",
+    "barrier", "broadcast",
     "broadcast_each", "exscan", "gather", "gatherv", "in_place", "out_of_place", "recv", "reduce", "reduce_scatter",
     "reduce_scatter_block", "reduce_scatter_block_each", "scan", "scatter", "scatterv", "send",
 ]
