@@ -149,7 +149,7 @@ all_reduce_held = collective_entry("all_reduce")(_all_reduce_held)
 
 
 def _holdable(array: Any, plan: Any, into: bool) -> bool:
-    """Whether `array` can be reduced where it is: contiguous, native, its own result dtype (in place: large, writable)."""
+    """Whether `array` can be reduced as it is: contiguous, native, its result dtype (in place: large, writable)."""
     return (
         type(array) is np.ndarray and array.flags.c_contiguous and array.dtype in PLAIN_DTYPES
         and array.dtype.kind != "b" and plan.codec is None and plan.work_dtype == array.dtype == plan.out_dtype
