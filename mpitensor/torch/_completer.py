@@ -56,6 +56,7 @@ class Completer:
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
         self._ident: int | None = None
+        self._stopping = False
         self.chain: int | None = None  # the chain whose callback runs now (on the thread)
 
     def on_thread(self) -> bool:
@@ -88,7 +89,17 @@ class Completer:
             self._start()
             self._ready.notify()
 
+    def stop(self) -> None:
+        """Let the thread end once it has finished what it holds (the group is destroyed).
+
+        A later `submit` or `run_later` starts a thread again.
+        """
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
+
     def _start(self) -> None:
+        self._stopping = False
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="mpitensor-torch-completer", daemon=True)
             self._thread.start()
@@ -100,6 +111,9 @@ class Completer:
             with self._ready:
                 chain, call, work = self._next()
                 while call is None and work is None:
+                    if self._stopping:  # nothing left, and nothing more will come
+                        self._thread = self._ident = None
+                        return
                     self._ready.wait()
                     chain, call, work = self._next()
             if call is not None:

@@ -106,6 +106,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Called by ``dist.destroy_process_group``: run the shutdown action, once."""
         action, self._on_shutdown = self._on_shutdown, None
+        self._completer.stop()
         self._hooks.free()
         if action is not None:
             action()

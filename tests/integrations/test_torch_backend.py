@@ -336,6 +336,30 @@ def test_async_work_and_its_future_complete_without_wait(world):
     assert work.wait() is True
 
 
+def _completer_threads() -> int:
+    import threading
+
+    return sum(thread.name == "mpitensor-torch-completer" for thread in threading.enumerate())
+
+
+def test_a_destroyed_groups_completer_thread_ends(world):
+    before = _completer_threads()
+    group = dist.new_group(list(range(world.size)))
+    arrays = inputs("completer", (4,), torch.float64, world.size)
+    tensor = as_torch(arrays[world.rank], torch.float64)
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    work.get_future().wait()  # a future asked before wait(): the group's completer thread finishes it
+    check(tensor, np.sum(arrays, axis=0), torch.float64)
+    assert _completer_threads() == before + 1
+    dist.destroy_process_group(group)
+    import time
+
+    deadline = time.monotonic() + 5
+    while _completer_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _completer_threads() == before, "the destroyed group's completer thread is still running"
+
+
 def test_sub_groups_from_new_group(world):
     n, rank = world.size, world.rank
     evens, odds = list(range(0, n, 2)), list(range(1, n, 2))
