@@ -14,6 +14,7 @@ import numpy as np
 import mpitensor as mt
 
 from .._collectives.all_reduce import SMALL_BYTES, all_reduce_held
+from .._collectives.native import wait_at_call
 
 Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], None]
 
@@ -50,9 +51,25 @@ def _all_reduce(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> 
             np.copyto(out, result)
         return
     # Small ones: the fresh result of the compiled lane, copied into XLA's buffer (faster
-    # than MPI's own all-reduce into out=). Its array, not the Tensor: NumPy would look
-    # through the Tensor's attributes for an array interface first.
-    np.copyto(out, mt.all_reduce(source, params["op"], params["devices"]).resolve().array)
+    # than MPI's own all-reduce into out=); a late peer waited for on the lane. Its array,
+    # not the Tensor: NumPy would look through the Tensor's attributes for an array
+    # interface first.
+    np.copyto(out, _all_reduce_now(source, params["op"], params["devices"]).array)
+
+
+def _all_reduce_now(source: np.ndarray, op: str, devices: Any) -> Any:
+    """``mt.all_reduce(source, op, devices).resolve()``, a late peer waited for on the lane.
+
+    The compiled program waits for the result anyway: a small call whose peer is late waits
+    for the check in C, yielding the core between tests (up to 2 ms), instead of handing the
+    call to the engine's queue at once, where the wait goes in slower steps. (Spinning there
+    instead, the GIL released, made it slower: the late rank's JAX dispatch needs the core.)
+    """
+    previous = wait_at_call(True)
+    try:
+        return mt.all_reduce(source, op, devices).resolve()
+    finally:
+        wait_at_call(previous)
 
 
 def _broadcast(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:

@@ -135,6 +135,33 @@ def test_checked_calls_with_a_late_rank(op):
 
 @needs_compiled
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shape", [(1,), (1000,)], ids=["carried", "copied"])
+def test_calls_that_wait_at_call_with_a_late_rank(shape):
+    """Calls made with `wait_at_call` (a compiled program's): a peer late by less than the 2 ms the
+    lane waits in C, and one later than that (its check queued): every result NumPy's; the
+    setting is the thread's own and comes back."""
+    with mt.DistributedContext.init() as ctx:
+        assert native.wait_at_call(True) is False
+        try:
+            for turn in range(12):
+                if ctx.rank == ctx.size - 1 and turn % 3:
+                    time.sleep(0.0005 if turn % 3 == 1 else 0.02)
+                inputs = [rank_input(seed_of("wait", shape, turn), r, shape, np.float64) for r in range(ctx.size)]
+                result = mt.all_reduce(inputs[ctx.rank].copy()).resolve()
+                agree(same(result, reference(OP.SUM, inputs)), f"call {turn}")
+            seen = []
+            thread = threading.Thread(target=lambda: seen.append(native.wait_at_call(False)))
+            thread.start()
+            thread.join()
+            assert seen == [False], "another thread has its own setting"
+        finally:
+            assert native.wait_at_call(False) is True
+        assert not ctx.engine.busy()
+        still_usable(ctx)
+
+
+@needs_compiled
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("check", [False, True])
 def test_a_mismatch_between_two_lanes_is_caught(check):
     """Ranks on lanes of different shapes: the check names both (check on), and the context stays usable."""

@@ -61,7 +61,10 @@ try:
 except ImportError:  # not built: the Python lanes record in the Python ring
     _Ring = None
 
-__all__ = ["LaneTensor", "built", "compiled_lane", "forget", "front", "leaf_loops", "set_before_call", "status"]
+__all__ = [
+    "LaneTensor", "built", "compiled_lane", "forget", "front", "leaf_loops", "set_before_call", "status",
+    "wait_at_call",
+]
 
 # ReduceOperation to the C loops' op codes (MEAN reduces as SUM, then divides).
 _OP_CODES = {
@@ -200,6 +203,22 @@ def set_before_call(function: Callable[[], None] | None) -> None:
     """Have every call of the compiled entry run `function()` first (None: nothing more)."""
     if _lanes is not None:
         _lanes.set_before_call(function)
+
+
+def wait_at_call(flag: bool) -> bool:
+    """Have this thread's compiled calls wait for a late peer's check in C (`flag`), yielding the core.
+
+    For a caller that waits for the result at once (a collective inside a compiled program):
+    queued, the call would wait in the Python engine's slower steps. Without it a call queues
+    a check that has not agreed within the lane's few tests, and returns, so that the caller
+    can compute meanwhile.
+
+    Returns:
+        The previous setting (False where the module is not built).
+    """
+    if _lanes is None:
+        return False
+    return _lanes.wait_at_call(flag)
 
 
 def built() -> bool:

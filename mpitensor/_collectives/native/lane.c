@@ -237,6 +237,27 @@ static int yield_until_done(void *slot, int *flag) {
     return code;
 }
 
+/* Whether this thread's calls wait for a late peer's check here, yielding the core between tests
+ * as where ranks outnumber cores, rather than queue it at once: set by a caller that waits for
+ * the result right away (`wait_at_call`: a collective inside a compiled program). Queued, the
+ * call would wait as well, in the Python engine's slower steps. */
+static _Thread_local int waiting_at_call;
+
+const char wait_at_call_doc[] =
+"wait_at_call(flag)\n--\n\n"
+"Have this thread's calls wait for a late peer's check in C, yielding the core between tests\n"
+"(for up to 2 ms), before they queue it (flag true), or queue it after the lane's few tests\n"
+"(false, the default). Returns the previous setting.";
+
+PyObject *wait_at_call(PyObject *module, PyObject *flag) {
+    (void)module;
+    int value = PyObject_IsTrue(flag);
+    if (value < 0) return NULL;
+    int previous = waiting_at_call;
+    waiting_at_call = value;
+    return PyBool_FromLong(previous);
+}
+
 /* Post the check's all-gather of `row` into `rows` as `Engine._post_check` does (the group's
  * check number in *seq), then spin on it. 1: every row says what this rank's says (the same
  * call, and for a carried call each row carrying its input): agreed at once. 0: posted, not
@@ -257,7 +278,8 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
     int flag = 0;
     for (int spin = 0; spin < lane->spins && !flag; spin++)
         if (mpi_test(slot, &flag) != 0) return 0; /* the Python engine tests it again and reports */
-    if (!flag && lane->spins < SPINS_WITH_A_CORE && yield_until_done(slot, &flag) != 0) return 0;
+    if (!flag && (lane->spins < SPINS_WITH_A_CORE || waiting_at_call) && yield_until_done(slot, &flag) != 0)
+        return 0;
     if (!flag) return 0;
     for (int member = 0; member < lane->size; member++)
         if (memcmp(rows + (size_t)member * consts.row_bytes, row, (size_t)consts.header_bytes) != 0) return 0;

@@ -157,6 +157,8 @@ PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op);
 PyObject *lane_cache_forget(PyObject *module, PyObject *ctx);
 extern const char forget_doc[];
 PyObject *set_before_call(PyObject *module, PyObject *function);
+PyObject *wait_at_call(PyObject *module, PyObject *flag);
+extern const char wait_at_call_doc[];
 extern const char set_before_call_doc[];
 extern PyMethodDef handle_resolve_def;
 PyObject *make_tensor(PyObject *array, PyObject *device);
