@@ -23,14 +23,19 @@ from .fused import fused_all_reduce
 from .gpu_host import staged
 from .gpu_staged import gpu_all_reduce
 from .lane import keep_lane, start_reduction
+from .native import compiled_held_lane
 from .options import make_record, refuse_for_structure, refuse_on_gpu
 from .reduce_options import all_reduce_with_options
 
-__all__ = ["SMALL_BYTES", "all_reduce", "all_reduce_held"]
+__all__ = ["HELD_LANES", "SMALL_BYTES", "all_reduce", "all_reduce_held"]
 
 # The check's option that tells `all_reduce_held`'s calls apart: in place, or into `out`.
 _HELD = (("in_place", 1),)
 _HELD_INTO = (("in_place", 0),)
+# Where `all_reduce_held`'s compiled lanes are kept (the full group's extra state), by
+# (dtype, shape, op argument, into): None for a kind that has none.
+HELD_LANES = "all_reduce_held lanes"
+_MAX_HELD_LANES = 256
 
 
 def all_reduce(
@@ -129,23 +134,45 @@ def _all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
         As `all_reduce` otherwise.
     """
     ctx = context_for("all_reduce")
-    reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
-    plan = reduce_plan(reduce_op, array.dtype)
     into = out is not None and out is not array
     if into:
         _check_held_out(array, out)
+    key = (array.dtype, array.shape, op, into)
+    lanes = ctx.full_group.extra.get(HELD_LANES) if devices is None else None
+    lane = None if lanes is None else lanes.get(key)
+    if lane is not None:  # a kind of call seen before: its compiled lane, unless it declines
+        handle = lane.start_held(array, out if into else array)
+        if handle is not None:
+            return handle
+    reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
+    plan = reduce_plan(reduce_op, array.dtype)
     if not _holdable(array, plan, into):
         return all_reduce(array, reduce_op, devices, out=out if into else None)
     group = ctx.full_group if devices is None else ctx.group(devices, "all_reduce")
     call = ReduceCall(ctx, group, HeldBuffers(array, out if into else array), plan, array.nbytes)
     select(HELD_ALL_REDUCE, call).prepare(call)
-    record = make_record(_HELD_INTO if into else _HELD, "all_reduce", reduce_op, array.dtype, array.shape, -1,
-                         group.members)
-    return start_reduction(call, check_record(ctx, group, record), ctx.cpu_device)
+    record = check_record(ctx, group, make_record(_HELD_INTO if into else _HELD, "all_reduce", reduce_op, array.dtype,
+                                                   array.shape, -1, group.members))
+    handle = start_reduction(call, record, ctx.cpu_device)
+    if devices is None and (lanes is None or key not in lanes):
+        _keep_held_lane(ctx, key, op, array, plan, record, into)
+    return handle
 
 
 # Called by the torch backend and mpitensor.jax as the public collectives are: behind their entry.
 all_reduce_held = collective_entry("all_reduce")(_all_reduce_held)
+
+
+def _keep_held_lane(ctx: DistributedContext, key: tuple[Any, ...], op: Any, array: np.ndarray, plan: Any,
+                    record: Any, into: bool) -> None:
+    """Keep the compiled lane of `all_reduce_held`'s calls of kind `key`, or None where it has none.
+
+    Kept in the full group's extra state (freed with it), at most `_MAX_HELD_LANES` kinds.
+    """
+    lanes = ctx.full_group.extra.setdefault(HELD_LANES, {})
+    if len(lanes) >= _MAX_HELD_LANES:
+        lanes.clear()
+    lanes[key] = compiled_held_lane(ctx, ctx.full_group, op, array, plan, record, into)
 
 
 def _holdable(array: Any, plan: Any, into: bool) -> bool:

@@ -13,10 +13,18 @@ import numpy as np
 
 import mpitensor as mt
 
-from .._collectives.all_reduce import SMALL_BYTES, all_reduce_held
+from .._collectives.all_reduce import all_reduce_held
 from .._collectives.native import wait_at_call
 
 Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], None]
+
+# From this size an all-reduce goes from XLA's input into XLA's result buffer by the held
+# all-reduce (`all_reduce_held`, its compiled lane: the check, then MPI's blocking
+# all-reduce); below it the compiled lane's result is copied in. Measured on 2 ranks, the
+# check on: at 16 KiB 11.1 against 15.4 us on Open MPI, 12.6 against 12.3 on MPICH, 6.3
+# against 6.7 on Intel MPI; at 64 KiB 12-23 against 13-38 us; at 256 B Open MPI's held call
+# was already faster, MPICH's and Intel MPI's slower.
+_HELD_FROM = 16 << 10
 
 
 def make(kind: str, aval_in: Any, aval_out: Any, params: dict[str, Any]) -> Runner:
@@ -40,34 +48,24 @@ def _typed(array: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.nda
 
 
 def _all_reduce(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
-    if out.nbytes > SMALL_BYTES and out.dtype == source.dtype:
-        # Reduced by MPI's blocking all-reduce, once the check agreed, from XLA's input straight
-        # into XLA's result buffer (1 MiB inside jax.jit on 2 Open MPI ranks: 0.68-0.70 ms
-        # in place on a copy of the input, against 0.82 ms for the shared-memory transport's
-        # fresh result copied in; without the copy a little less again). XLA's buffers are the
-        # call's own until it returns: the promise all_reduce_held asks for.
-        result = all_reduce_held(source, params["op"], params["devices"], out=out).resolve().array
-        if result is not out:  # an input it takes another way
-            np.copyto(out, result)
-        return
-    # Small ones: the fresh result of the compiled lane, copied into XLA's buffer (faster
-    # than MPI's own all-reduce into out=); a late peer waited for on the lane. Its array,
-    # not the Tensor: NumPy would look through the Tensor's attributes for an array
-    # interface first.
-    np.copyto(out, _all_reduce_now(source, params["op"], params["devices"]).array)
-
-
-def _all_reduce_now(source: np.ndarray, op: str, devices: Any) -> Any:
-    """``mt.all_reduce(source, op, devices).resolve()``, a late peer waited for on the lane.
-
-    The compiled program waits for the result anyway: a small call whose peer is late waits
-    for the check in C, yielding the core between tests (up to 2 ms), instead of handing the
-    call to the engine's queue at once, where the wait goes in slower steps (8 B inside
-    jax.jit on 2 Open MPI ranks: 1.01-1.04x mpi4jax's time, against 1.11-1.15x).
-    """
+    # The program waits for the result anyway: a late peer's check is waited for on the
+    # compiled lane, yielding the core (up to 2 ms), instead of in the engine's queue, whose
+    # steps are slower (8 B inside jax.jit on 2 Open MPI ranks: 1.01-1.04x mpi4jax's time,
+    # against 1.11-1.15x).
     previous = wait_at_call(True)
     try:
-        return mt.all_reduce(source, op, devices).resolve()
+        if out.nbytes >= _HELD_FROM and out.dtype == source.dtype:
+            # MPI's blocking all-reduce from XLA's input straight into XLA's result buffer,
+            # once the check agreed. XLA's buffers are the call's own until it returns: the
+            # promise all_reduce_held asks for.
+            result = all_reduce_held(source, params["op"], params["devices"], out=out).resolve().array
+            if result is not out:  # an input it takes another way
+                np.copyto(out, result)
+        else:
+            # The compiled lane's fresh result (carried in the check up to 64 bytes), copied
+            # into XLA's buffer. Its array, not the Tensor: NumPy would look through the
+            # Tensor's attributes for an array interface first.
+            np.copyto(out, mt.all_reduce(source, params["op"], params["devices"]).resolve().array)
     finally:
         wait_at_call(previous)
 

@@ -18,13 +18,17 @@ Two kinds of call have one, when their lane's plan allows it (`compiled_lane`):
   check's row, the rows reduced at the call when they all agree (C loops that do what
   NumPy's ufuncs do, in the same order: the same bits as the Python lane's reduction).
 
+A third, `compiled_held_lane`, takes `all_reduce_held`'s repeated checked calls (groups of
+2-8 ranks, any size): when the check agrees within the spin, MPI's blocking all-reduce from
+the caller's input into the caller's buffer (or in place), the GIL released, in the same C call.
+
 MEAN's division is compiled for float32 and float64; other MEAN lanes stay Python. A Python
 number, NumPy scalar or CPU torch tensor takes the compiled lane of the array
 `interop.take_quickly` gives for it, as on the Python lanes, and its result comes back in its
 own kind (a `Convert` on the handle, which the compiled resolve settles as the Python one does).
 
 The C code calls MPI without MPI's headers (one build serves Open MPI, MPICH and their
-kin): it finds ``MPI_Iallreduce``, ``MPI_Iallgather``, ``MPI_Test`` and ``MPI_Wait`` in the
+kin): it finds ``MPI_Iallreduce``, ``MPI_Iallgather``, ``MPI_Test``, ``MPI_Wait`` and ``MPI_Allreduce`` in the
 library mpi4py loaded, reads handles out of mpi4py's objects through mpi4py's C API, and
 casts each call to the handle kind `_core.mpi.pointer_handles` reports. Where the module
 was not built (no compiler when installed), cannot bind, or ``MPITENSOR_NATIVE=0`` is set,
@@ -48,7 +52,7 @@ from ..._core.mpi import pointer_handles
 from ..._core.tensor import TENSOR_FIELDS, Tensor
 from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, SPIN_PAUSES, STATES, Op
 from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried, reduce_carried_keys
-from ..._transport.mpi import SMALL_BYTES, in_place
+from ..._transport.mpi import SMALL_BYTES, held_all_reduce, in_place
 from ..common import HANDLE_FIELDS, CollectiveTensor, Convert, Later
 
 try:
@@ -62,8 +66,8 @@ except ImportError:  # not built: the Python lanes record in the Python ring
     _Ring = None
 
 __all__ = [
-    "LaneTensor", "built", "compiled_lane", "forget", "front", "leaf_loops", "set_before_call", "status",
-    "wait_at_call",
+    "LaneTensor", "built", "compiled_held_lane", "compiled_lane", "forget", "front", "leaf_loops", "set_before_call",
+    "status", "wait_at_call",
 ]
 
 # ReduceOperation to the C loops' op codes (MEAN reduces as SUM, then divides).
@@ -271,7 +275,40 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
         per_rank=CARRIED if checked else 0 if record is None else record.per_rank, rows=rows,
         spins=lane.ctx.engine.check_spins(),
         queued_post=(_carried_post(keys) if checked else in_place, group.comm, plan), done_op=done, trace=trace,
-        keys=keys,
+        keys=keys, into=False,
+    )
+
+
+def compiled_held_lane(ctx: Any, group: Any, op: Any, array: np.ndarray, plan: Any, record: Any, into: bool) -> Any:
+    """The compiled lane of `all_reduce_held`'s calls of one kind, or None.
+
+    Args:
+        ctx: the context.
+        group: the calls' group.
+        op: the op argument as the calls give it (part of the lane's key).
+        array: an input of the kind (dtype and shape).
+        plan: the calls' `ReducePlan` (no MAX/MIN keys: held calls have none).
+        record: the check's record of these calls.
+        into: whether the result goes to another array than the input.
+
+    Returns:
+        A `_lanes.Lane` of kind ``HELD``, or None where there is none: unchecked calls (their
+        peers may not have arrived, so the wait must stay the engine's), groups the check
+        gathers no rows for, a MEAN of a dtype other than float32 and float64, a context that
+        traces (its records come from the Python engine), more than 2**31 - 1 elements, or the
+        module not bound.
+    """
+    if (record is None or not group.gathers or not 2 <= group.size <= 8 or array.size >= 1 << 31
+            or (plan.divide and array.dtype not in _DIVIDES) or ctx.engine.tracer is not None or not _bind()):
+        return None
+    done = Op("all_reduce", group, array.nbytes, lambda: [], record=record)
+    done.state = COMPLETE  # the op that calls completed at the call share: nothing is left to do
+    template = np.broadcast_to(np.empty((), array.dtype), array.shape)  # the dtype and shape, one element's memory
+    return _lanes.Lane(
+        kind=_lanes.HELD, ctx=ctx, group=group, op_key=op, template=template,
+        datatype=plan.datatype, mpi_op=plan.mpi_op, divide=plan.divide, record=record, value=record.check_value(),
+        per_rank=record.per_rank, rows=0, spins=ctx.engine.check_spins(),
+        queued_post=(held_all_reduce, group.comm, plan), done_op=done, trace=None, keys=0, into=into,
     )
 
 

@@ -17,6 +17,8 @@
 
 typedef int (*iallreduce_ptr)(const void *, void *, int, void *, void *, void *, void *);
 typedef int (*iallreduce_int)(const void *, void *, int, int, int, int, void *);
+typedef int (*allreduce_ptr)(const void *, void *, int, void *, void *, void *);
+typedef int (*allreduce_int)(const void *, void *, int, int, int, int);
 typedef int (*iallgather_ptr)(const void *, int, void *, void *, int, void *, void *, void *);
 typedef int (*iallgather_int)(const void *, int, int, void *, int, int, int, void *);
 typedef int (*test_fn)(void *, int *, void *);
@@ -27,7 +29,7 @@ typedef void *(*handle_get)(PyObject *);
 
 static struct {
     int pointer_handles;
-    void *iallreduce, *iallgather;
+    void *iallreduce, *iallgather, *allreduce;
     test_fn test;
     wait_fn wait;
     void *request_new;
@@ -45,7 +47,8 @@ static int find_in(void *library, const char *why_prefix, char *why, size_t why_
     mpi.iallgather = dlsym(library, "MPI_Iallgather");
     mpi.test = (test_fn)dlsym(library, "MPI_Test");
     mpi.wait = (wait_fn)dlsym(library, "MPI_Wait");
-    if (mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait) return 1;
+    mpi.allreduce = dlsym(library, "MPI_Allreduce");
+    if (mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait && mpi.allreduce) return 1;
     snprintf(why, why_size, "%s", why_prefix);
     return 0;
 }
@@ -74,7 +77,7 @@ static int find_functions(char *why, size_t why_size) {
     struct search search = {NULL};
     dl_iterate_phdr(find_library, &search);
     if (search.found != NULL && find_in(search.found, "", why, why_size)) return 0;
-    snprintf(why, why_size, "no loaded library exports MPI_Iallreduce, MPI_Iallgather, MPI_Test and MPI_Wait");
+    snprintf(why, why_size, "no loaded library exports MPI_Iallreduce, MPI_Iallgather, MPI_Test, MPI_Wait and MPI_Allreduce");
     return -1;
 }
 
@@ -174,6 +177,13 @@ int mpi_iallreduce_in_place(void *buffer, int count, mpi_handle datatype, mpi_ha
                                                  (void *)comm, request);
     return ((iallreduce_int)mpi.iallreduce)(mpi.in_place, buffer, count, (int)datatype, (int)op, (int)comm,
                                              request);
+}
+
+int mpi_allreduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm) {
+    const void *from = send == NULL ? mpi.in_place : send;
+    if (mpi.pointer_handles)
+        return ((allreduce_ptr)mpi.allreduce)(from, recv, count, (void *)datatype, (void *)op, (void *)comm);
+    return ((allreduce_int)mpi.allreduce)(from, recv, count, (int)datatype, (int)op, (int)comm);
 }
 
 int mpi_iallgather_bytes(const void *send, void *recv, int count, mpi_handle comm, void *request) {

@@ -12,7 +12,11 @@
  *   the data is posted at once, as `Engine._pump` would post it;
  * - `CHECK` (check on, up to 64 bytes, 2-8 ranks): the check's row carries the input; when
  *   every row agrees within the spin, the rows are reduced as `reduce_carried` does and
- *   the call completes at once.
+ *   the call completes at once;
+ * - `HELD` (check on, 2-8 ranks; `all_reduce_held`): the caller holds the input and the
+ *   result buffer (one array, or two); when every row agrees within the spin, MPI's
+ *   blocking all-reduce reduces one into the other, the GIL released, as the `Held`
+ *   transport does once the engine has seen the check agree, and the call completes at once.
  *
  * For MAX/MIN of float32 and float64 (`keys`), MPI reduces OrderedKeys, as on the general
  * path: a `COPY` lane's copy is made of the input's keys, and its op's finish decodes them;
@@ -31,12 +35,13 @@
  */
 #include "native.h"
 
+#include <limits.h>
 #include <pythread.h>
 #include <sched.h>
 #include <string.h>
 #include <time.h>
 
-enum { LANE_COPY = 0, LANE_CHECK = 1 };
+enum { LANE_COPY = 0, LANE_CHECK = 1, LANE_HELD = 2 };
 enum { KEYS_NONE = 0, KEYS_MAX = 1, KEYS_MIN = 2 };
 
 typedef struct {
@@ -52,6 +57,7 @@ typedef struct {
     mpi_handle comm, check_comm, datatype, mpi_op;
     int size, spins, divide, rows_kind, type_num;
     int keys; /* MPI reduces MAX/MIN keys of floats: 0 none, else KEYS_MAX or KEYS_MIN */
+    int into; /* HELD: the result lands in the caller's other array (1), or in the input (0) */
     unsigned long owner;
     long long value, per_rank;
     PyObject *send, *recv, *request; /* the check's buffers and request, reused while no op holds them */
@@ -296,15 +302,21 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
  * so no signal handler or finalizer can run between the check and its op. 0, or -1 with an
  * error set. */
 static int queue_op(Lane *lane, PyObject *op, PyObject *seq, PyObject *send, PyObject *recv, PyObject *request,
-                    PyObject *out) {
+                    PyObject *source, PyObject *out) {
     PyObject *payload = Py_None;
     if (lane->kind == LANE_CHECK) {
         payload = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(send) + consts.header_bytes, consts.payload_bytes);
         if (payload == NULL) return -1;
     }
+    /* partial(start, comm, out, [payload,] plan), or for HELD partial(start, comm, source, out, plan) */
     PyObject *args[5] = {lane->post_start, lane->post_comm, out, payload, lane->post_plan};
-    if (lane->kind != LANE_CHECK) args[3] = lane->post_plan;
-    PyObject *post = PyObject_Vectorcall(lane->partial, args, lane->kind == LANE_CHECK ? 5 : 4, NULL);
+    if (lane->kind == LANE_HELD) {
+        args[2] = source;
+        args[3] = out;
+    } else if (lane->kind != LANE_CHECK) {
+        args[3] = lane->post_plan;
+    }
+    PyObject *post = PyObject_Vectorcall(lane->partial, args, lane->kind == LANE_COPY ? 4 : 5, NULL);
     PyObject *stage = post == NULL ? NULL : PyLong_FromLong(consts.agree_stage);
     PyObject *requests = SLOT(op, layout.op_requests);
     int failed = stage == NULL || PyList_SetSlice(requests, 0, PyList_GET_SIZE(requests), NULL) < 0;
@@ -359,6 +371,7 @@ typedef struct {
     PyObject *handle;    /* the CollectiveTensor returned */
     PyObject *request;   /* the data's request (inside the op's requests) */
     PyObject *send, *recv, *check_request; /* the check's, when the call is checked (borrowed from the lane) */
+    PyObject *source;    /* HELD: the caller's input (borrowed) */
 } Call;
 
 /* Where the context traces: a call of this lane called at `called` gets its span (the op's
@@ -391,7 +404,7 @@ static void call_clear(Call *call) {
 }
 
 /* The call's objects; 0, or -1 when one could not be made (nothing is posted: the call is declined). */
-static int call_prepare(Lane *lane, Call *call, PyObject *device, PyArrayObject *array) {
+static int call_prepare(Lane *lane, Call *call, PyObject *device, PyArrayObject *array, PyObject *held_out) {
     memset(call, 0, sizeof *call);
     if (lane->kind == LANE_COPY && lane->keys != KEYS_NONE) {
         /* MPI reduces the keys: the copy is made of them. */
@@ -402,6 +415,9 @@ static int call_prepare(Lane *lane, Call *call, PyObject *device, PyArrayObject 
                         PyArray_DATA((PyArrayObject *)call->out), lane->count);
     } else if (lane->kind == LANE_COPY) {
         call->out = PyArray_NewCopy(array, NPY_CORDER);
+    } else if (lane->kind == LANE_HELD) {
+        call->out = Py_NewRef(held_out);
+        call->source = (PyObject *)array;
     } else {
         Py_INCREF(lane->descr);
         call->out = PyArray_Empty(lane->ndim, lane->dims, lane->descr, 0);
@@ -456,6 +472,34 @@ static int post_data(Lane *lane, Call *call, PyObject *posted) {
     return PyList_Append(posted, call->op) < 0 ? -1 : 1;
 }
 
+/* A HELD call whose check agreed: MPI's blocking all-reduce from the caller's input into its
+ * result buffer (in place where they are one), the GIL released, then MEAN's division; the
+ * handle then shares the lane's done op. 1 done; 0 MPI failed, and its error is the op's
+ * (resolve() raises it, as the engine's `_post_data` leaves it); -1 error. */
+static int held_reduce(Lane *lane, Call *call) {
+    void *out = PyArray_DATA((PyArrayObject *)call->out);
+    const void *source = lane->into ? PyArray_DATA((PyArrayObject *)call->source) : NULL;
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = mpi_allreduce(source, out, (int)lane->count, lane->datatype, lane->mpi_op, lane->comm);
+    Py_END_ALLOW_THREADS
+    if (code != 0) {
+        mpi_failed(lane->engine, code, call->op);
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        slot_set(call->op, layout.op_error, value);
+        slot_set(call->op, layout.op_state, consts.states[FAILED]);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        return 0;
+    }
+    if (lane->divide) divide_in_place(lane->type_num, out, lane->count, lane->size);
+    slot_set(call->handle, layout.handle_op, lane->done_op); /* nothing is left to do */
+    return 1;
+}
+
 /* The call, once its objects are made: the handle, None (declined: nothing posted) or NULL. */
 static PyObject *call_run(Lane *lane, Call *call) {
     PyObject *posted = NULL, *seq = NULL;
@@ -487,13 +531,16 @@ static PyObject *call_run(Lane *lane, Call *call) {
         if (agreed == 0 && lane->kind == LANE_CHECK && trace_begin(lane, call, called) < 0)
             PyErr_Clear(); /* memory ran out: the call goes on, unrecorded (its check is posted) */
         if (agreed == 0) {
-            queued = queue_op(lane, call->op, seq, call->send, call->recv, call->check_request, call->out) < 0 ? -1 : 1;
+            queued = queue_op(lane, call->op, seq, call->send, call->recv, call->check_request, call->source,
+                              call->out) < 0 ? -1 : 1;
             if (queued < 0) lost_check(lane);
         }
         if (collecting) PyGC_Enable();
     }
     int done = idle;
-    if (idle > 0 && agreed > 0 && lane->kind == LANE_COPY) {
+    if (idle > 0 && agreed > 0 && lane->kind == LANE_HELD) {
+        done = held_reduce(lane, call);
+    } else if (idle > 0 && agreed > 0 && lane->kind == LANE_COPY) {
         done = post_data(lane, call, posted);
         if (done > 0) trace_posted(lane, call, called, 0);
     } else if (idle > 0 && agreed > 0) {
@@ -518,9 +565,9 @@ static PyObject *call_run(Lane *lane, Call *call) {
     return Py_NewRef(call->handle);
 }
 
-static PyObject *start(Lane *lane, PyObject *device, PyArrayObject *array) {
+static PyObject *start(Lane *lane, PyObject *device, PyArrayObject *array, PyObject *held_out) {
     Call call;
-    if (call_prepare(lane, &call, device, array) < 0) {
+    if (call_prepare(lane, &call, device, array, held_out) < 0) {
         call_clear(&call);
         PyErr_Clear(); /* nothing is posted: the general path takes the call and reports what failed */
         Py_RETURN_NONE;
@@ -534,6 +581,7 @@ static PyObject *start(Lane *lane, PyObject *device, PyArrayObject *array) {
 
 PyObject *lane_start(PyObject *self, PyObject *tensor, PyObject *array) {
     Lane *lane = (Lane *)self;
+    if (lane->kind == LANE_HELD) Py_RETURN_NONE; /* its calls come through start_held */
     int ok = usable_here(lane);
     if (ok <= 0) {
         if (ok < 0) return NULL;
@@ -542,7 +590,7 @@ PyObject *lane_start(PyObject *self, PyObject *tensor, PyObject *array) {
     PyObject *device = tensor == Py_None ? lane->device : SLOT(tensor, layout.tensor_device);
     if (device == NULL) Py_RETURN_NONE;
     lane_cache_insert(self);
-    return start(lane, device, (PyArrayObject *)array);
+    return start(lane, device, (PyArrayObject *)array, NULL);
 }
 
 PyObject *lane_context(PyObject *self) { return ((Lane *)self)->ctx; }
@@ -573,7 +621,7 @@ static PyObject *Lane_start(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     PyObject *tensor = args[0], *array = args[1];
-    if (!PyArray_CheckExact(array) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)array) ||
+    if (lane->kind == LANE_HELD || !PyArray_CheckExact(array) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)array) ||
         PyArray_NBYTES((PyArrayObject *)array) != lane->nbytes ||
         PyArray_ITEMSIZE((PyArrayObject *)array) != PyDataType_ELSIZE(lane->descr) ||
         (tensor != Py_None && !Py_IS_TYPE(tensor, layout.tensor_type))) {
@@ -585,7 +633,7 @@ static PyObject *Lane_start(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static const char *lane_keywords[] = {
     "kind", "ctx", "group", "op_key", "template", "datatype", "mpi_op", "divide", "record", "value", "per_rank",
-    "rows", "spins", "queued_post", "done_op", "trace", "keys", NULL};
+    "rows", "spins", "queued_post", "done_op", "trace", "keys", "into", NULL};
 
 /* Where `queued_post` is (start, comm, plan) and functools' partial can be had; 0, or -1 with an error set. */
 static int take_post(Lane *lane, PyObject *queued_post) {
@@ -630,17 +678,17 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     Lane *lane = (Lane *)self;
     PyObject *ctx, *group, *op_key, *template, *datatype, *mpi_op, *record, *queued_post, *done_op, *trace = Py_None;
     int divide;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOOi", (char **)lane_keywords, &lane->kind,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOOip", (char **)lane_keywords, &lane->kind,
                                      &ctx, &group, &op_key, &PyArray_Type, &template, &datatype, &mpi_op,
                                      &divide, &record, &lane->value, &lane->per_rank, &lane->rows_kind,
-                                     &lane->spins, &queued_post, &done_op, &trace, &lane->keys))
+                                     &lane->spins, &queued_post, &done_op, &trace, &lane->keys, &lane->into))
         return -1;
     if (lane->ctx != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a lane is made once");
         return -1;
     }
     if (take_trace(lane, trace) < 0) return -1;
-    if (!consts.bound || (lane->kind != LANE_COPY && lane->kind != LANE_CHECK)) {
+    if (!consts.bound || (lane->kind != LANE_COPY && lane->kind != LANE_CHECK && lane->kind != LANE_HELD)) {
         PyErr_SetString(PyExc_RuntimeError, "the native module is not bound, or the lane's kind is unknown");
         return -1;
     }
@@ -654,6 +702,11 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     lane->divide = divide;
     if (lane->kind == LANE_CHECK && (lane->nbytes > consts.payload_bytes || lane->rows_kind < 0 || record == Py_None)) {
         PyErr_SetString(PyExc_ValueError, "a carried lane has a record, at most the check's payload, and a loop");
+        return -1;
+    }
+    if (lane->kind == LANE_HELD &&
+        (record == Py_None || lane->keys != KEYS_NONE || lane->ring != NULL || lane->count > INT_MAX)) {
+        PyErr_SetString(PyExc_ValueError, "a held lane is checked, has no MAX/MIN keys, does not trace, and fits an int count");
         return -1;
     }
     if (lane->keys != KEYS_NONE && (lane->keys > KEYS_MIN || divide || !keys_supported(lane->type_num))) {
@@ -762,22 +815,62 @@ static void Lane_dealloc(PyObject *self) {
     Py_TYPE(self)->tp_free(self);
 }
 
+/* Whether `array` is an exact, C-contiguous ndarray of the lane's dtype object and shape. */
+static int of_lane(Lane *lane, PyObject *array) {
+    if (!PyArray_CheckExact(array)) return 0;
+    PyArrayObject *a = (PyArrayObject *)array;
+    if (!PyArray_IS_C_CONTIGUOUS(a) || PyArray_DESCR(a) != lane->descr || PyArray_NDIM(a) != lane->ndim) return 0;
+    for (int axis = 0; axis < lane->ndim; axis++)
+        if (PyArray_DIMS(a)[axis] != lane->dims[axis]) return 0;
+    return 1;
+}
+
+PyDoc_STRVAR(Lane_start_held_doc,
+"start_held(array, out)\n--\n\n"
+"Start the held all-reduce of `array` into `out` (`array` itself for a lane in place) on this\n"
+"HELD lane. Both C-contiguous ndarrays of the lane's dtype and shape, `out` writable, and\n"
+"`all_reduce_held`'s promise kept: nobody writes `array` or reads `out` until it is resolved.\n"
+"Returns the handle, or None when the call is declined (another thread, the context\n"
+"unusable, the engine busy with the group, or arrays not of the lane): the Python path\n"
+"then takes the call.");
+
+static PyObject *Lane_start_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Lane *lane = (Lane *)self;
+    if (lane->kind != LANE_HELD || nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "start_held(array, out) is a HELD lane's, with 2 arguments");
+        return NULL;
+    }
+    PyObject *array = args[0], *out = args[1];
+    if (!of_lane(lane, array) || !of_lane(lane, out) || (out == array) == lane->into ||
+        !PyArray_ISWRITEABLE((PyArrayObject *)out))
+        Py_RETURN_NONE;
+    int ok = usable_here(lane);
+    if (ok <= 0) {
+        if (ok < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    return start(lane, lane->device, (PyArrayObject *)array, out);
+}
+
 static PyMethodDef Lane_methods[] = {
     {"start", (PyCFunction)(void (*)(void))Lane_start, METH_FASTCALL, Lane_start_doc},
+    {"start_held", (PyCFunction)(void (*)(void))Lane_start_held, METH_FASTCALL, Lane_start_held_doc},
     {NULL, NULL, 0, NULL},
 };
 
 PyDoc_STRVAR(Lane_doc,
 "Lane(*, kind, ctx, group, op_key, template, datatype, mpi_op, divide, record, value, per_rank, rows,\n"
-"     spins, queued_post, done_op, trace)\n--\n\n"
+"     spins, queued_post, done_op, trace, keys, into)\n--\n\n"
 "The compiled lane of one kind of all-reduce (see native/__init__.py's `compiled_lane`).\n\n"
-"kind: COPY (MPI in place on a copy, after the check where there is a record) or CHECK (the\n"
-"input carried in the check). template: an array of the kind's dtype and shape. datatype,\n"
+"kind: COPY (MPI in place on a copy, after the check where there is a record), CHECK (the\n"
+"input carried in the check) or HELD (`start_held`: MPI's blocking all-reduce from the caller's\n"
+"input into its buffer, `into`, or in place, once the check agreed). template: an array of the kind's dtype and shape. datatype,\n"
 "mpi_op: the plan's MPI handles. divide: MEAN's division at the end. record, value, per_rank:\n"
 "the check's record (None: no check), agreement hash and per-rank value. rows: the loop that\n"
 "reduces carried rows (`rows_kind`). spins: tests of a check before it is queued.\n"
 "queued_post: (start, comm, plan), the op's post when its check is queued being\n"
-"partial(start, comm, out, [payload,] plan) (`reduce_carried` or `in_place`). done_op: the completed op\n"
+"partial(start, comm, out, [payload,] plan) (`reduce_carried` or `in_place`), or for HELD\n"
+"partial(start, comm, input, out, plan) (`held_all_reduce`). done_op: the completed op\n"
 "that carried calls completed at the call share. trace: (ring, kind code, group key) where the\n"
 "context traces (each call is recorded in that compiled ring), else None.");
 

@@ -143,7 +143,8 @@ PyMODINIT_FUNC PyInit__lanes(void) {
         PyModule_AddObjectRef(module, "Divide", (PyObject *)&DivideType) < 0 ||
         PyModule_AddObjectRef(module, "Decode", (PyObject *)&DecodeType) < 0 ||
         PyModule_AddObjectRef(module, "Entry", (PyObject *)&EntryType) < 0 ||
-        PyModule_AddIntConstant(module, "COPY", 0) < 0 || PyModule_AddIntConstant(module, "CHECK", 1) < 0) {
+        PyModule_AddIntConstant(module, "COPY", 0) < 0 || PyModule_AddIntConstant(module, "CHECK", 1) < 0 ||
+        PyModule_AddIntConstant(module, "HELD", 2) < 0) {
         Py_DECREF(module);
         return NULL;
     }

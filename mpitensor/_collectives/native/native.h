@@ -41,6 +41,8 @@ void *mpi_request_slot(PyObject *request);    /* the MPI_Request inside it */
 int mpi_iallreduce_in_place(void *buffer, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm,
                             void *request);
 int mpi_iallgather_bytes(const void *send, void *recv, int count, mpi_handle comm, void *request);
+/* Blocking MPI_Allreduce from `send` (NULL: MPI_IN_PLACE) into `recv`; call without the GIL. */
+int mpi_allreduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm);
 int mpi_test(void *request, int *flag);
 int mpi_wait(void *request);
 /* Set the error `engine.mpi_failed(MPI.Exception(code), op, "all_reduce")` makes of MPI's

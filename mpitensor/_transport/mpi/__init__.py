@@ -30,6 +30,7 @@ from .all_reduce import (
     SmallOnCopy,
     all_reduce_buckets,
     all_reduce_buffers,
+    held_all_reduce,
     in_place,
     out_of_place,
 )
@@ -52,7 +53,7 @@ from .symmetric import (
 __all__ = [
     "SMALL_BYTES", "Held", "HeldUnchecked", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather",
     "all_gather_each", "all_gatherv", "all_reduce_buckets", "all_reduce_buffers", "all_to_all", "all_to_allv",
-    "barrier", "broadcast",
-    "broadcast_each", "exscan", "gather", "gatherv", "in_place", "out_of_place", "recv", "reduce", "reduce_scatter",
-    "reduce_scatter_block", "reduce_scatter_block_each", "scan", "scatter", "scatterv", "send",
+    "barrier", "broadcast", "broadcast_each", "exscan", "gather", "gatherv", "held_all_reduce", "in_place",
+    "out_of_place", "recv", "reduce", "reduce_scatter", "reduce_scatter_block", "reduce_scatter_block_each", "scan",
+    "scatter", "scatterv", "send",
 ]

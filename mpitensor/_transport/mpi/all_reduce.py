@@ -18,7 +18,7 @@ from ..reduction import reduction_buffers, reduction_input
 
 __all__ = [
     "SMALL_BYTES", "Held", "HeldUnchecked", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_reduce_buckets",
-    "all_reduce_buffers", "in_place", "is_small", "out_of_place",
+    "all_reduce_buffers", "held_all_reduce", "in_place", "is_small", "out_of_place",
 ]
 
 # Up to this size a copy of the input costs less than write-protecting it in flight (and
@@ -184,10 +184,20 @@ class Held(HeldUnchecked):
 
     def start(self, call: ReduceCall) -> list[Any]:
         """Reduce, blocking until done (no request is left to test)."""
-        plan = call.plan
-        send = MPI.IN_PLACE if call.send is call.out else [call.send, plan.datatype]
-        call.group.comm.Allreduce(send, [call.out, plan.datatype], plan.mpi_op)
-        return []
+        return held_all_reduce(call.group.comm, call.send, call.out, call.plan)
+
+
+def held_all_reduce(comm: Any, send: np.ndarray, out: np.ndarray, plan: Any) -> list[Any]:
+    """Blocking ``MPI_Allreduce`` from `send` into `out` (``MPI_IN_PLACE`` where they are one array).
+
+    What `Held` posts, and the compiled held lane's ops queued for the engine.
+
+    Returns:
+        No request: the reduction is done.
+    """
+    datatype = plan.datatype
+    comm.Allreduce(MPI.IN_PLACE if send is out else [send, datatype], [out, datatype], plan.mpi_op)
+    return []
 
 
 def all_reduce_buffers(comm: Any, send: Any, out: Any, plan: Any) -> list[Any]:
