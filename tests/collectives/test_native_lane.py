@@ -146,7 +146,8 @@ def test_calls_that_wait_at_call_with_a_late_rank(shape):
             for turn in range(12):
                 if ctx.rank == ctx.size - 1 and turn % 3:
                     time.sleep(0.0005 if turn % 3 == 1 else 0.02)
-                inputs = [rank_input(seed_of("wait", shape, turn), r, shape, np.float64) for r in range(ctx.size)]
+                # Integers: exact sums in any order (MPI's algorithm for the copied size may reorder).
+                inputs = [rank_input(seed_of("wait", shape, turn), r, shape, np.int64) for r in range(ctx.size)]
                 result = mt.all_reduce(inputs[ctx.rank].copy()).resolve()
                 agree(same(result, reference(OP.SUM, inputs)), f"call {turn}")
             seen = []
