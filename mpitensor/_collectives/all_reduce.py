@@ -15,6 +15,7 @@ from .._runtime.check import shared_record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group
 from .._runtime.entry import collective_entry
+from .._runtime.ordering import wait_for_compiled
 from .._transport.base import HeldBuffers, ReduceCall, select
 from .._transport.mpi import SMALL_BYTES
 from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED, HELD_ALL_REDUCE
@@ -27,7 +28,7 @@ from .native import compiled_held_lane
 from .options import make_record, refuse_for_structure, refuse_on_gpu
 from .reduce_options import all_reduce_with_options
 
-__all__ = ["HELD_LANES", "SMALL_BYTES", "all_reduce", "all_reduce_held"]
+__all__ = ["HELD_LANES", "SMALL_BYTES", "all_reduce", "all_reduce_held", "held_lane"]
 
 # The check's option that tells `all_reduce_held`'s calls apart: in place, or into `out`.
 _HELD = (("in_place", 1),)
@@ -103,6 +104,33 @@ def all_reduce(
 
 def _all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
                      devices: DevicesArg = None, *, out: np.ndarray | None = None) -> CollectiveTensor:
+    """`all_reduce_held` behind its entry: the general path, and the first call of each kind."""
+    ctx = context_for("all_reduce")
+    into = out is not None and out is not array
+    if into:
+        _check_held_out(array, out)
+    reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
+    plan = reduce_plan(reduce_op, array.dtype)
+    if not _holdable(array, plan, into):
+        return all_reduce(array, reduce_op, devices, out=out if into else None)
+    group = ctx.full_group if devices is None else ctx.group(devices, "all_reduce")
+    call = ReduceCall(ctx, group, HeldBuffers(array, out if into else array), plan, array.nbytes)
+    select(HELD_ALL_REDUCE, call).prepare(call)
+    record = check_record(ctx, group, make_record(_HELD_INTO if into else _HELD, "all_reduce", reduce_op, array.dtype,
+                                                   array.shape, -1, group.members))
+    handle = start_reduction(call, record, ctx.cpu_device)
+    key = (array.dtype, array.shape, op, into)
+    if devices is None and key not in ctx.full_group.extra.get(HELD_LANES, ()):
+        _keep_held_lane(ctx, key, op, array, plan, record, into)
+    return handle
+
+
+# Called as the public collectives are: behind their entry.
+_held_entry = collective_entry("all_reduce")(_all_reduce_held)
+
+
+def all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
+                    devices: DevicesArg = None, *, out: np.ndarray | None = None) -> CollectiveTensor:
     """`all_reduce` of a host array that its caller keeps unchanged until the result is resolved.
 
     For callers that hold the input themselves (the torch backend: in torch's contract a
@@ -133,34 +161,36 @@ def _all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
         ValueError: `out` is not of the input's shape and dtype, or overlaps it.
         As `all_reduce` otherwise.
     """
-    ctx = context_for("all_reduce")
-    into = out is not None and out is not array
-    if into:
-        _check_held_out(array, out)
-    key = (array.dtype, array.shape, op, into)
-    lanes = ctx.full_group.extra.get(HELD_LANES) if devices is None else None
-    lane = None if lanes is None else lanes.get(key)
-    if lane is not None:  # a kind of call seen before: its compiled lane, unless it declines
-        handle = lane.start_held(array, out if into else array)
-        if handle is not None:
-            return handle
-    reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
-    plan = reduce_plan(reduce_op, array.dtype)
-    if not _holdable(array, plan, into):
-        return all_reduce(array, reduce_op, devices, out=out if into else None)
-    group = ctx.full_group if devices is None else ctx.group(devices, "all_reduce")
-    call = ReduceCall(ctx, group, HeldBuffers(array, out if into else array), plan, array.nbytes)
-    select(HELD_ALL_REDUCE, call).prepare(call)
-    record = check_record(ctx, group, make_record(_HELD_INTO if into else _HELD, "all_reduce", reduce_op, array.dtype,
-                                                   array.shape, -1, group.members))
-    handle = start_reduction(call, record, ctx.cpu_device)
-    if devices is None and (lanes is None or key not in lanes):
-        _keep_held_lane(ctx, key, op, array, plan, record, into)
-    return handle
+    if devices is None and open_contexts:
+        # A kind of call seen before on the full group goes to its compiled lane as the C
+        # entry of `all_reduce` sends calls to theirs: after the wait for compiled programs,
+        # with no Python entry around it (inside jax.jit, where the caches are cold after
+        # JAX's dispatch, that entry cost 7-8 us per call). The lane checks the thread, the
+        # context and both arrays, and declines what the general path must take.
+        into = out is not None and out is not array
+        lane = held_lane(open_contexts[-1], array, op, into)
+        if lane is not None:
+            wait_for_compiled()
+            handle = lane.start_held(array, out if into else array)
+            if handle is not None:
+                return handle
+    return _held_entry(array, op, devices, out=out)
 
 
-# Called by the torch backend and mpitensor.jax as the public collectives are: behind their entry.
-all_reduce_held = collective_entry("all_reduce")(_all_reduce_held)
+def held_lane(ctx: DistributedContext, array: np.ndarray, op: Any, into: bool) -> Any:
+    """The compiled lane of `all_reduce_held`'s calls of `array`'s kind on `ctx`'s full group, or None.
+
+    Its ``start_held(array, out)`` and ``run_held(array, out)`` (native/lane.c) check each call and
+    decline what the general path must take.
+
+    Args:
+        ctx: an open context.
+        array: an input of the kind (dtype and shape).
+        op: the op argument as the calls give it.
+        into: whether the calls reduce into `out` (else in place).
+    """
+    lanes = ctx.full_group.extra.get(HELD_LANES)
+    return None if lanes is None else lanes.get((array.dtype, array.shape, op, into))
 
 
 def _keep_held_lane(ctx: DistributedContext, key: tuple[Any, ...], op: Any, array: np.ndarray, plan: Any,

@@ -19,16 +19,19 @@ from typing import Any
 import numpy as np
 
 from .._collectives.lane import order_after_compiled
+from .._core.state import open_contexts
 from .._runtime.ordering import run_delegated
 
 TARGET = "mpitensor_collective"
 
-Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], None]
+# A runner may return a fast path for its site, (ctx, run): see `run`.
+Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], "tuple[Any, Any] | None"]
 
 _sites: list[Runner] = []
 _numbers: dict[Any, int] = {}
 _lock = threading.Lock()
 _registered = False
+_module: Any = None  # the compiled handler's module, once registered
 _ordered = False
 
 
@@ -57,8 +60,12 @@ def run(number: int, inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, 
 
     XLA calls it on the thread that runs the program, often one of its own: the call is the
     owner thread's, delegated (`_runtime.ordering`).
+    Where the runner returns a fast path, (ctx, run), the handler calls ``run(input, result)``
+    itself from then on while `ctx` is the innermost open context (``_ffi.set_fast``).
     """
-    run_delegated(_sites[number], inputs, results)
+    fast = run_delegated(_sites[number], inputs, results)
+    if fast is not None:
+        _module.set_fast(number, *fast)
 
 
 def register() -> None:
@@ -67,7 +74,7 @@ def register() -> None:
     Raises:
         ImportError: the compiled handler was not built (no C compiler at install).
     """
-    global _registered
+    global _registered, _module
     if _registered:  # every eager call comes here: no lock once it is done
         return
     with _lock:
@@ -83,6 +90,7 @@ def register() -> None:
                 "lacks: it is built by pip install when a C compiler is found; reinstall mpitensor "
                 "with one (python -m mpitensor info says which compiled parts are present)"
             ) from exc
-        _ffi.set_runner(run)
+        _ffi.set_runner(run, open_contexts)
+        _module = _ffi
         jax.ffi.register_ffi_target(TARGET, _ffi.capsule(), platform="cpu")
         _registered = True

@@ -13,10 +13,11 @@ import numpy as np
 
 import mpitensor as mt
 
-from .._collectives.all_reduce import all_reduce_held
+from .._collectives.all_reduce import all_reduce_held, held_lane
 from .._collectives.native import wait_at_call
 
-Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], None]
+# A runner returns None, or for its site a fast path (ctx, run) (`_handler.run`).
+Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], "tuple[Any, Any] | None"]
 
 # From this size an all-reduce goes from XLA's input into XLA's result buffer by the held
 # all-reduce (`all_reduce_held`, its compiled lane: the check, then MPI's blocking
@@ -29,14 +30,46 @@ _HELD_FROM = 16 << 10
 
 def make(kind: str, aval_in: Any, aval_out: Any, params: dict[str, Any]) -> Runner:
     """The runner of a call site: collective `kind` with `params`, on arrays of these avals."""
-    start = _STARTS[kind]
     dtype_in, shape_in = np.dtype(aval_in.dtype), tuple(aval_in.shape)
     dtype_out, shape_out = np.dtype(aval_out.dtype), tuple(aval_out.shape)
+    if kind == "all_reduce" and dtype_in == dtype_out and dtype_in.itemsize * int(np.prod(shape_in)) >= _HELD_FROM:
+        return _held_all_reduce(dtype_in, shape_in, params["op"], params["devices"])
+    start = _STARTS[kind]
 
     def runner(inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, ...]) -> None:
         source = _typed(inputs[0], dtype_in, shape_in)
         out = _typed(results[0], dtype_out, shape_out)
         start(source, out, params)
+
+    return runner
+
+
+def _held_all_reduce(dtype: np.dtype, shape: tuple[int, ...], op: Any, devices: Any) -> Runner:
+    """The runner of an all-reduce from `_HELD_FROM` bytes: the held all-reduce into XLA's buffer.
+
+    MPI's blocking all-reduce from XLA's input straight into XLA's result buffer, once the
+    check agreed. XLA's buffers are the call's own until it returns: the promise
+    `all_reduce_held` asks for. A runner of its own, with nothing looked up per call: inside
+    jax.jit every Python step costs several times what it costs in a loop of eager calls.
+    """
+
+    def runner(inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, ...]) -> tuple[Any, Any] | None:
+        source, out = inputs[0], results[0]
+        native = source.dtype == dtype
+        if not native:  # bytes (bfloat16)
+            source, out = _typed(source, dtype, shape), _typed(out, dtype, shape)
+        previous = wait_at_call(True)  # see _all_reduce
+        try:
+            result = all_reduce_held(source, op, devices, out=out).resolve().array
+        finally:
+            wait_at_call(previous)
+        if result is not out:  # an input it takes another way
+            np.copyto(out, result)
+            return None
+        # Later calls: the lane's run_held called by the handler itself, while this context
+        # is open (inside jax.jit the Python around it cost 3-4 us per call).
+        lane = held_lane(mt.current_context(), source, op, True) if native and devices is None else None
+        return None if lane is None else (mt.current_context(), lane.run_held)
 
     return runner
 
@@ -52,20 +85,12 @@ def _all_reduce(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> 
     # compiled lane, yielding the core (up to 2 ms), instead of in the engine's queue, whose
     # steps are slower (8 B inside jax.jit on 2 Open MPI ranks: 1.01-1.04x mpi4jax's time,
     # against 1.11-1.15x).
+    # Below `_HELD_FROM` (from there `_held_all_reduce` runs): the compiled lane's fresh
+    # result (carried in the check up to 64 bytes), copied into XLA's buffer. Its array, not
+    # the Tensor: NumPy would look through the Tensor's attributes for an array interface first.
     previous = wait_at_call(True)
     try:
-        if out.nbytes >= _HELD_FROM and out.dtype == source.dtype:
-            # MPI's blocking all-reduce from XLA's input straight into XLA's result buffer,
-            # once the check agreed. XLA's buffers are the call's own until it returns: the
-            # promise all_reduce_held asks for.
-            result = all_reduce_held(source, params["op"], params["devices"], out=out).resolve().array
-            if result is not out:  # an input it takes another way
-                np.copyto(out, result)
-        else:
-            # The compiled lane's fresh result (carried in the check up to 64 bytes), copied
-            # into XLA's buffer. Its array, not the Tensor: NumPy would look through the
-            # Tensor's attributes for an array interface first.
-            np.copyto(out, mt.all_reduce(source, params["op"], params["devices"]).resolve().array)
+        np.copyto(out, mt.all_reduce(source, params["op"], params["devices"]).resolve().array)
     finally:
         wait_at_call(previous)
 

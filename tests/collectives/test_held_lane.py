@@ -117,3 +117,36 @@ def test_calls_the_lane_declines_take_the_python_path():
             for _ in range(3):
                 np.testing.assert_array_equal(_held(np.ones(SHAPE), OP.SUM, True), np.full(SHAPE, float(ctx.size)))
             assert _lane(ctx, np.float64, OP.SUM, True) is None
+
+
+@needs_compiled
+@pytest.mark.mpi(min_size=2)
+def test_run_held_reduces_at_once_and_declines_as_start_held():
+    """`run_held` (what a compiled program's handler calls): the result in `out` when it returns,
+    a late peer waited for; overlapping arrays and another thread's call declined, and an
+    overlapping `out` refused by `all_reduce_held` as on its first call."""
+    with mt.DistributedContext.init() as ctx:
+        for _ in range(2):
+            _held(np.ones(SHAPE), OP.SUM, True)
+        lane = _lane(ctx, np.float64, OP.SUM, True)
+        assert lane is not None
+        for turn in range(3):
+            seed = seed_of("run-held", turn)
+            inputs = [rank_input(seed, r, SHAPE, np.float64) for r in range(ctx.size)]
+            if turn == 2 and ctx.rank == ctx.size - 1:
+                time.sleep(0.05)
+            out = np.empty(SHAPE)
+            assert lane.run_held(inputs[ctx.rank], out) is True
+            assert_matches(out, reference(OP.SUM, inputs), OP.SUM, ctx.size)
+        whole = np.ones(SHAPE[0] + 1)
+        array, overlapping = whole[:-1], whole[1:]
+        assert lane.start_held(array, overlapping) is None and lane.run_held(array, overlapping) is None
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(lane.run_held(np.ones(SHAPE), np.empty(SHAPE))))
+        thread.start()
+        thread.join()
+        assert seen == [None], "another thread's call is declined"
+        with pytest.raises(ValueError, match="overlaps the input"):
+            all_reduce_held(array, OP.SUM, out=overlapping)
+        np.testing.assert_array_equal(_held(np.ones(SHAPE), OP.SUM, True), np.full(SHAPE, float(ctx.size)))
+        still_usable(ctx)

@@ -825,13 +825,21 @@ static int of_lane(Lane *lane, PyObject *array) {
     return 1;
 }
 
+/* Whether two C-contiguous arrays of the same size share memory (MPI takes no overlapping
+ * send and receive buffers; `all_reduce_held` then says what is wrong). */
+static int overlap(PyObject *a, PyObject *b) {
+    char *x = PyArray_BYTES((PyArrayObject *)a), *y = PyArray_BYTES((PyArrayObject *)b);
+    npy_intp nbytes = PyArray_NBYTES((PyArrayObject *)a);
+    return nbytes > 0 && x < y + nbytes && y < x + nbytes;
+}
+
 PyDoc_STRVAR(Lane_start_held_doc,
 "start_held(array, out)\n--\n\n"
 "Start the held all-reduce of `array` into `out` (`array` itself for a lane in place) on this\n"
 "HELD lane. Both C-contiguous ndarrays of the lane's dtype and shape, `out` writable, and\n"
 "`all_reduce_held`'s promise kept: nobody writes `array` or reads `out` until it is resolved.\n"
 "Returns the handle, or None when the call is declined (another thread, the context\n"
-"unusable, the engine busy with the group, or arrays not of the lane): the Python path\n"
+"unusable, the engine busy with the group, arrays not of the lane or overlapping): the Python path\n"
 "then takes the call.");
 
 static PyObject *Lane_start_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -842,7 +850,7 @@ static PyObject *Lane_start_held(PyObject *self, PyObject *const *args, Py_ssize
     }
     PyObject *array = args[0], *out = args[1];
     if (!of_lane(lane, array) || !of_lane(lane, out) || (out == array) == lane->into ||
-        !PyArray_ISWRITEABLE((PyArrayObject *)out))
+        !PyArray_ISWRITEABLE((PyArrayObject *)out) || (lane->into && overlap(array, out)))
         Py_RETURN_NONE;
     int ok = usable_here(lane);
     if (ok <= 0) {
@@ -852,9 +860,33 @@ static PyObject *Lane_start_held(PyObject *self, PyObject *const *args, Py_ssize
     return start(lane, lane->device, (PyArrayObject *)array, out);
 }
 
+PyDoc_STRVAR(Lane_run_held_doc,
+"run_held(array, out)\n--\n\n"
+"`start_held(array, out)` waiting at the call (`wait_at_call`), then the result resolved: for\n"
+"a caller that needs the result at once (a collective inside a compiled program, called by\n"
+"its handler with no Python around it). True once `out` (or `array`, in place) holds the\n"
+"result; None where `start_held` declines the call (nothing was posted).\n\n"
+"Raises:\n    What `start_held` and the handle's resolve raise.");
+
+static PyObject *Lane_run_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    static PyObject *resolve_name;
+    if (resolve_name == NULL && (resolve_name = PyUnicode_InternFromString("resolve")) == NULL) return NULL;
+    int previous = waiting_at_call;
+    waiting_at_call = 1;
+    PyObject *handle = Lane_start_held(self, args, nargs);
+    waiting_at_call = previous;
+    if (handle == NULL || handle == Py_None) return handle;
+    PyObject *result = PyObject_CallMethodNoArgs(handle, resolve_name);
+    Py_DECREF(handle);
+    if (result == NULL) return NULL;
+    Py_DECREF(result);
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef Lane_methods[] = {
     {"start", (PyCFunction)(void (*)(void))Lane_start, METH_FASTCALL, Lane_start_doc},
     {"start_held", (PyCFunction)(void (*)(void))Lane_start_held, METH_FASTCALL, Lane_start_held_doc},
+    {"run_held", (PyCFunction)(void (*)(void))Lane_run_held, METH_FASTCALL, Lane_run_held_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,6 +20,17 @@
 #include "xla_ffi_c_api.h"
 
 static PyObject *runner; /* the Python callable: runner(site, inputs, results) */
+static PyObject *open_contexts; /* mpitensor's stack of open contexts (a list) */
+
+/* A call site's fast path, where its runner gave one: `run(input, result)` with no Python
+ * around it (True: done; None: declined, the runner takes the call), while `ctx` is the
+ * innermost open context. */
+typedef struct {
+    PyObject *ctx, *run;
+} Fast;
+
+static Fast *fasts;
+static int64_t fast_count;
 
 /* XLA's data types that NumPy has; any other comes as bytes the runner views. */
 static int numpy_type(XLA_FFI_DataType dtype) {
@@ -74,21 +85,22 @@ static PyObject *view(const XLA_FFI_Buffer *buffer, int writable) {
 
 /* The buffers of a call's arguments or results, tokens left out, as a tuple of views. */
 static PyObject *views(int64_t size, void **items, int writable) {
-    PyObject *list = PyList_New(0);
-    if (list == NULL) return NULL;
+    Py_ssize_t count = 0;
+    for (int64_t i = 0; i < size; i++)
+        if (((const XLA_FFI_Buffer *)items[i])->dtype != XLA_FFI_DataType_TOKEN) count++;
+    PyObject *tuple = PyTuple_New(count);
+    if (tuple == NULL) return NULL;
+    Py_ssize_t at = 0;
     for (int64_t i = 0; i < size; i++) {
         const XLA_FFI_Buffer *buffer = (const XLA_FFI_Buffer *)items[i];
         if (buffer->dtype == XLA_FFI_DataType_TOKEN) continue;
         PyObject *array = view(buffer, writable);
-        if (array == NULL || PyList_Append(list, array) < 0) {
-            Py_XDECREF(array);
-            Py_DECREF(list);
+        if (array == NULL) {
+            Py_DECREF(tuple);
             return NULL;
         }
-        Py_DECREF(array);
+        PyTuple_SET_ITEM(tuple, at++, array);
     }
-    PyObject *tuple = PyList_AsTuple(list);
-    Py_DECREF(list);
     return tuple;
 }
 
@@ -129,14 +141,62 @@ static XLA_FFI_Error *error_from_python(const XLA_FFI_CallFrame *frame) {
     return error;
 }
 
+/* The call on its site's fast path: 1 done, 0 not taken (no fast path, another context, or
+ * declined), -1 failed with the Python error set. */
+static int run_fast(const XLA_FFI_CallFrame *frame, int64_t site) {
+    if (site >= fast_count || fasts[site].run == NULL) return 0;
+    Py_ssize_t open = PyList_GET_SIZE(open_contexts);
+    if (open == 0 || PyList_GET_ITEM(open_contexts, open - 1) != fasts[site].ctx) {
+        /* Its context is closed or another is open: the runner finds the lane of that one. */
+        Py_CLEAR(fasts[site].ctx);
+        Py_CLEAR(fasts[site].run);
+        return 0;
+    }
+    PyObject *inputs = views(frame->args.size, frame->args.args, 0);
+    PyObject *results = inputs == NULL ? NULL : views(frame->rets.size, frame->rets.rets, 1);
+    int taken = results == NULL ? -1 : 0;
+    if (taken == 0 && PyTuple_GET_SIZE(inputs) == 1 && PyTuple_GET_SIZE(results) == 1) {
+        PyObject *args[2] = {PyTuple_GET_ITEM(inputs, 0), PyTuple_GET_ITEM(results, 0)};
+        PyObject *done = PyObject_Vectorcall(fasts[site].run, args, 2, NULL);
+        taken = done == NULL ? -1 : done != Py_None;
+        Py_XDECREF(done);
+    }
+    Py_XDECREF(inputs);
+    Py_XDECREF(results);
+    return taken;
+}
+
 static PyObject *run(const XLA_FFI_CallFrame *frame, int64_t site) {
     PyObject *inputs = views(frame->args.size, frame->args.args, 0);
     PyObject *results = inputs == NULL ? NULL : views(frame->rets.size, frame->rets.rets, 1);
+    PyObject *number = results == NULL ? NULL : PyLong_FromLongLong((long long)site);
     PyObject *done = NULL;
-    if (results != NULL) done = PyObject_CallFunction(runner, "LOO", (long long)site, inputs, results);
+    if (number != NULL) {
+        PyObject *args[3] = {number, inputs, results};
+        done = PyObject_Vectorcall(runner, args, 3, NULL);
+    }
+    Py_XDECREF(number);
     Py_XDECREF(inputs);
     Py_XDECREF(results);
     return done;
+}
+
+/* XLA calls the handler on threads of its own, which Python does not know. PyGILState_Ensure
+ * gives such a thread a thread state, and the matching Release deletes it again, with every
+ * threading.local of that thread: a few microseconds per call, and state the runner keeps
+ * per thread lost. So the first call on a thread takes one more reference that is never
+ * released: the thread state lives as long as the thread (or the interpreter). */
+static _Thread_local int pinned;
+
+static void pin_thread_state(void) {
+    if (pinned) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    if (gil == PyGILState_UNLOCKED) {
+        /* Keep the reference, give the GIL back: the later Ensure/Release pairs take it. */
+        PyGILState_Ensure();
+        PyGILState_Release(gil);
+    }
+    pinned = 1;
 }
 
 static XLA_FFI_Error *handler(XLA_FFI_CallFrame *frame) {
@@ -151,9 +211,11 @@ static XLA_FFI_Error *handler(XLA_FFI_CallFrame *frame) {
     if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
     int64_t site = site_of(&frame->attrs);
     if (site < 0 || runner == NULL) return xla_error(frame, "mpitensor: a compiled collective without its call site");
+    pin_thread_state();
     PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject *done = run(frame, site);
-    XLA_FFI_Error *error = done == NULL ? error_from_python(frame) : NULL;
+    int fast = run_fast(frame, site);
+    PyObject *done = fast == 0 ? run(frame, site) : NULL;
+    XLA_FFI_Error *error = fast < 0 || (fast == 0 && done == NULL) ? error_from_python(frame) : NULL;
     Py_XDECREF(done);
     PyGILState_Release(gil);
     return error;
@@ -169,23 +231,52 @@ static PyObject *capsule(PyObject *module, PyObject *unused) {
 }
 
 PyDoc_STRVAR(set_runner_doc,
-"set_runner(runner)\n--\n\n"
-"Set the callable the handler calls: runner(site: int, inputs: tuple, results: tuple).");
+"set_runner(runner, open_contexts)\n--\n\n"
+"Set the callable the handler calls, runner(site: int, inputs: tuple, results: tuple), and\n"
+"the list of open contexts (innermost last) that fast paths are checked against.");
 
-static PyObject *set_runner(PyObject *module, PyObject *callable) {
+static PyObject *set_runner(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (!PyCallable_Check(callable)) {
-        PyErr_SetString(PyExc_TypeError, "set_runner() needs a callable");
+    if (nargs != 2 || !PyCallable_Check(args[0]) || !PyList_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "set_runner(runner, open_contexts) needs a callable and a list");
         return NULL;
     }
-    Py_INCREF(callable);
-    Py_XSETREF(runner, callable);
+    Py_XSETREF(runner, Py_NewRef(args[0]));
+    Py_XSETREF(open_contexts, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_fast_doc,
+"set_fast(site, ctx, run)\n--\n\n"
+"Give call site `site` a fast path: while `ctx` is the innermost open context, the handler\n"
+"calls run(input, result) on the call's one input and one result, without the runner; True\n"
+"means done, None declined (the runner takes the call). The path is dropped once another\n"
+"context is innermost.");
+
+static PyObject *set_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    int64_t site = nargs == 3 ? PyLong_AsLongLong(args[0]) : -1;
+    if (site < 0 || !PyCallable_Check(args[2])) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "set_fast(site, ctx, run) needs a site number and a callable");
+        return NULL;
+    }
+    if (site >= fast_count) {
+        int64_t count = site + 16;
+        Fast *grown = PyMem_Realloc(fasts, (size_t)count * sizeof(Fast));
+        if (grown == NULL) return PyErr_NoMemory();
+        memset(grown + fast_count, 0, (size_t)(count - fast_count) * sizeof(Fast));
+        fasts = grown;
+        fast_count = count;
+    }
+    Py_XSETREF(fasts[site].ctx, Py_NewRef(args[1]));
+    Py_XSETREF(fasts[site].run, Py_NewRef(args[2]));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"capsule", capsule, METH_NOARGS, capsule_doc},
-    {"set_runner", set_runner, METH_O, set_runner_doc},
+    {"set_runner", (PyCFunction)(void (*)(void))set_runner, METH_FASTCALL, set_runner_doc},
+    {"set_fast", (PyCFunction)(void (*)(void))set_fast, METH_FASTCALL, set_fast_doc},
     {NULL, NULL, 0, NULL},
 };
 
