@@ -14,7 +14,7 @@ import numpy as np
 import mpitensor as mt
 
 from .._collectives.all_reduce import all_reduce_held, held_lane
-from .._collectives.native import wait_at_call
+from .._collectives.native import find_lane, wait_at_call
 
 # A runner returns None, or for its site a fast path (ctx, run) (`_handler.run`).
 Runner = Callable[[tuple[np.ndarray, ...], tuple[np.ndarray, ...]], "tuple[Any, Any] | None"]
@@ -32,8 +32,9 @@ def make(kind: str, aval_in: Any, aval_out: Any, params: dict[str, Any]) -> Runn
     """The runner of a call site: collective `kind` with `params`, on arrays of these avals."""
     dtype_in, shape_in = np.dtype(aval_in.dtype), tuple(aval_in.shape)
     dtype_out, shape_out = np.dtype(aval_out.dtype), tuple(aval_out.shape)
-    if kind == "all_reduce" and dtype_in == dtype_out and dtype_in.itemsize * int(np.prod(shape_in)) >= _HELD_FROM:
-        return _held_all_reduce(dtype_in, shape_in, params["op"], params["devices"])
+    if kind == "all_reduce":  # its result is of its input's shape and dtype
+        make_all_reduce = _held_all_reduce if dtype_in.itemsize * int(np.prod(shape_in)) >= _HELD_FROM else _all_reduce
+        return make_all_reduce(dtype_in, shape_in, params["op"], params["devices"])
     start = _STARTS[kind]
 
     def runner(inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, ...]) -> None:
@@ -68,8 +69,9 @@ def _held_all_reduce(dtype: np.dtype, shape: tuple[int, ...], op: Any, devices: 
             return None
         # Later calls: the lane's run_held called by the handler itself, while this context
         # is open (inside jax.jit the Python around it cost 3-4 us per call).
-        lane = held_lane(mt.current_context(), source, op, True) if native and devices is None else None
-        return None if lane is None else (mt.current_context(), lane.run_held)
+        ctx = mt.current_context()
+        lane = held_lane(ctx, source, op, True) if native and devices is None else None
+        return None if lane is None else (ctx, lane.run_held)
 
     return runner
 
@@ -80,19 +82,33 @@ def _typed(array: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.nda
     return array.view(dtype).reshape(shape)
 
 
-def _all_reduce(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
-    # The program waits for the result anyway: a late peer's check is waited for on the
-    # compiled lane, yielding the core (up to 2 ms), instead of in the engine's queue, whose
-    # steps are slower (8 B inside jax.jit on 2 Open MPI ranks: 1.01-1.04x mpi4jax's time,
-    # against 1.11-1.15x).
-    # Below `_HELD_FROM` (from there `_held_all_reduce` runs): the compiled lane's fresh
-    # result (carried in the check up to 64 bytes), copied into XLA's buffer. Its array, not
-    # the Tensor: NumPy would look through the Tensor's attributes for an array interface first.
-    previous = wait_at_call(True)
-    try:
-        np.copyto(out, mt.all_reduce(source, params["op"], params["devices"]).resolve().array)
-    finally:
-        wait_at_call(previous)
+def _all_reduce(dtype: np.dtype, shape: tuple[int, ...], op: Any, devices: Any) -> Runner:
+    """The runner of an all-reduce below `_HELD_FROM` bytes: the compiled lane's result copied into XLA's.
+
+    The program waits for the result anyway: a late peer's check is waited for on the
+    compiled lane, yielding the core (up to 2 ms), instead of in the engine's queue, whose
+    steps are slower (8 B inside jax.jit on 2 Open MPI ranks: 1.01-1.04x mpi4jax's time,
+    against 1.11-1.15x). The lane's fresh result (carried in the check up to 64 bytes) is
+    copied into XLA's buffer: its array, not the Tensor, which NumPy would search for an
+    array interface first.
+    """
+
+    def runner(inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, ...]) -> tuple[Any, Any] | None:
+        source, out = inputs[0], results[0]
+        native = source.dtype == dtype
+        if not native:  # bytes (bfloat16)
+            source, out = _typed(source, dtype, shape), _typed(out, dtype, shape)
+        previous = wait_at_call(True)
+        try:
+            np.copyto(out, mt.all_reduce(source, op, devices).resolve().array)
+        finally:
+            wait_at_call(previous)
+        # Later calls: the lane's run_into called by the handler itself (see _held_all_reduce).
+        ctx = mt.current_context()
+        lane = find_lane(ctx, source, op) if native and devices is None else None
+        return None if lane is None else (ctx, lane.run_into)
+
+    return runner
 
 
 def _broadcast(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> None:
@@ -159,7 +175,6 @@ def _sendrecv(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> No
 
 
 _STARTS = {
-    "all_reduce": _all_reduce,
     "broadcast": _broadcast,
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,

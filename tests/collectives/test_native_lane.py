@@ -320,3 +320,36 @@ def test_numbers_and_torch_tensors_on_the_compiled_lane(check):
                     ok = ok and type(pending) is LaneTensor
                 agree(bool(ok), f"{type(value).__name__}, call {turn}: {got!r} vs {expected!r}")
         still_usable(ctx)
+
+
+@needs_compiled
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("shape", [(2,), (3, 500)], ids=["carried", "copied"])
+def test_run_into_reduces_at_once_into_the_callers_buffer(shape):
+    """`run_into` (what a compiled program's handler calls): the result copied into `out` when
+    it returns, a late peer waited for; arrays not of the lane, a read-only `out` and another
+    thread's call declined."""
+    with mt.DistributedContext.init() as ctx:
+        op = "sum"
+        for _ in range(2):
+            mt.all_reduce(np.ones(shape), op).resolve()
+        lane = native.find_lane(ctx, np.ones(shape), op)
+        assert lane is not None
+        assert native.find_lane(ctx, np.ones(shape), "max") is None, "another op's calls have no lane yet"
+        for turn in range(3):
+            inputs = [rank_input(seed_of("run-into", shape, turn), r, shape, np.float64) for r in range(ctx.size)]
+            if turn == 2 and ctx.rank == ctx.size - 1:
+                time.sleep(0.05)
+            out = np.empty(shape)
+            assert lane.run_into(inputs[ctx.rank], out) is True
+            np.testing.assert_allclose(out, reference(OP.SUM, inputs), rtol=1e-12)
+        read_only = np.empty(shape)
+        read_only.flags.writeable = False
+        assert lane.run_into(np.ones(shape), read_only) is None
+        assert lane.run_into(np.ones(shape, np.float32), np.empty(shape, np.float32)) is None
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(lane.run_into(np.ones(shape), np.empty(shape))))
+        thread.start()
+        thread.join()
+        assert seen == [None], "another thread's call is declined"
+        still_usable(ctx)

@@ -66,8 +66,8 @@ except ImportError:  # not built: the Python lanes record in the Python ring
     _Ring = None
 
 __all__ = [
-    "LaneTensor", "built", "compiled_held_lane", "compiled_lane", "forget", "front", "leaf_loops", "set_before_call",
-    "status", "wait_at_call",
+    "LaneTensor", "built", "compiled_held_lane", "compiled_lane", "find_lane", "forget", "front", "leaf_loops",
+    "set_before_call", "status", "wait_at_call",
 ]
 
 # ReduceOperation to the C loops' op codes (MEAN reduces as SUM, then divides).
@@ -223,6 +223,15 @@ def wait_at_call(flag: bool) -> bool:
     if _lanes is None:
         return False
     return _lanes.wait_at_call(flag)
+
+
+def find_lane(ctx: Any, array: np.ndarray, op: Any) -> Any:
+    """The compiled lane the entry holds for ``all_reduce(array, op)`` calls on `ctx`, or None.
+
+    `op` is the op argument the calls give (the same object). The lane's ``run_into(array,
+    out)`` (native/lane.c) runs such a call at once into `out`, and declines what it cannot.
+    """
+    return None if _lanes is None else _lanes.find_lane(ctx, array, op)
 
 
 def built() -> bool:

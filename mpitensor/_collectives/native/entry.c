@@ -48,6 +48,21 @@ PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op) {
     return NULL;
 }
 
+const char find_lane_doc[] =
+"find_lane(ctx, array, op)\n--\n\n"
+"The compiled lane the entry holds for calls all_reduce(array, op) on `ctx` (`op` as the calls\n"
+"give it, the same object), or None.";
+
+PyObject *find_lane(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "find_lane(ctx, array, op) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *lane = PyArray_CheckExact(args[1]) ? lane_cache_find(args[0], (PyArrayObject *)args[1], args[2]) : NULL;
+    return Py_NewRef(lane == NULL ? Py_None : lane);
+}
+
 typedef struct {
     PyObject_HEAD
     PyObject *general;

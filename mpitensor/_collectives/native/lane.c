@@ -868,18 +868,61 @@ PyDoc_STRVAR(Lane_run_held_doc,
 "result; None where `start_held` declines the call (nothing was posted).\n\n"
 "Raises:\n    What `start_held` and the handle's resolve raise.");
 
-static PyObject *Lane_run_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* handle.resolve(), the handle's reference taken: its result, or NULL with the error set. */
+static PyObject *resolved(PyObject *handle) {
     static PyObject *resolve_name;
-    if (resolve_name == NULL && (resolve_name = PyUnicode_InternFromString("resolve")) == NULL) return NULL;
+    if (resolve_name == NULL && (resolve_name = PyUnicode_InternFromString("resolve")) == NULL) {
+        Py_DECREF(handle);
+        return NULL;
+    }
+    PyObject *result = PyObject_CallMethodNoArgs(handle, resolve_name);
+    Py_DECREF(handle);
+    return result;
+}
+
+static PyObject *Lane_run_held(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int previous = waiting_at_call;
     waiting_at_call = 1;
     PyObject *handle = Lane_start_held(self, args, nargs);
     waiting_at_call = previous;
     if (handle == NULL || handle == Py_None) return handle;
-    PyObject *result = PyObject_CallMethodNoArgs(handle, resolve_name);
-    Py_DECREF(handle);
+    PyObject *result = resolved(handle);
     if (result == NULL) return NULL;
     Py_DECREF(result);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(Lane_run_into_doc,
+"run_into(array, out)\n--\n\n"
+"The all-reduce of `array` on this COPY or CHECK lane waiting at the call (`wait_at_call`),\n"
+"resolved, and its result copied into `out` (writable; both C-contiguous ndarrays of the\n"
+"lane's dtype and shape): for a caller that needs the result at once in a buffer of its own\n"
+"(a collective inside a compiled program, called by its handler with no Python around it).\n"
+"True once `out` holds the result; None where the lane declines the call (nothing was posted).\n\n"
+"Raises:\n    What the call and the handle's resolve raise.");
+
+static PyObject *Lane_run_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Lane *lane = (Lane *)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "run_into(array, out) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *array = args[0], *out = args[1];
+    if (lane->kind == LANE_HELD || !of_lane(lane, array) || !of_lane(lane, out) ||
+        !PyArray_ISWRITEABLE((PyArrayObject *)out))
+        Py_RETURN_NONE;
+    int previous = waiting_at_call;
+    waiting_at_call = 1;
+    PyObject *handle = lane_start(self, Py_None, array);
+    waiting_at_call = previous;
+    if (handle == NULL || handle == Py_None) return handle;
+    PyObject *result = resolved(handle);
+    if (result == NULL) return NULL;
+    PyObject *value = Py_IS_TYPE(result, layout.tensor_type) ? SLOT(result, layout.tensor_array) : NULL;
+    int code = value != NULL && PyArray_Check(value) ? PyArray_CopyInto((PyArrayObject *)out, (PyArrayObject *)value) : -1;
+    if (code < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a lane's result has no array");
+    Py_DECREF(result);
+    if (code < 0) return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -887,6 +930,7 @@ static PyMethodDef Lane_methods[] = {
     {"start", (PyCFunction)(void (*)(void))Lane_start, METH_FASTCALL, Lane_start_doc},
     {"start_held", (PyCFunction)(void (*)(void))Lane_start_held, METH_FASTCALL, Lane_start_held_doc},
     {"run_held", (PyCFunction)(void (*)(void))Lane_run_held, METH_FASTCALL, Lane_run_held_doc},
+    {"run_into", (PyCFunction)(void (*)(void))Lane_run_into, METH_FASTCALL, Lane_run_into_doc},
     {NULL, NULL, 0, NULL},
 };
 

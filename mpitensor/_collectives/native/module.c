@@ -115,6 +115,7 @@ static PyMethodDef methods[] = {
     {"forget", lane_cache_forget, METH_O, forget_doc},
     {"set_before_call", set_before_call, METH_O, set_before_call_doc},
     {"wait_at_call", wait_at_call, METH_O, wait_at_call_doc},
+    {"find_lane", (PyCFunction)(void (*)(void))find_lane, METH_FASTCALL, find_lane_doc},
     {"plain_leaves", (PyCFunction)(void (*)(void))plain_leaves, METH_FASTCALL, plain_leaves_doc},
     {"pack", (PyCFunction)(void (*)(void))pack_leaves, METH_FASTCALL, pack_doc},
     {"unpack", (PyCFunction)(void (*)(void))unpack_leaves, METH_FASTCALL, unpack_doc},

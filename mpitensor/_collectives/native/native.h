@@ -157,6 +157,8 @@ PyObject *lane_context(PyObject *lane); /* borrowed */
 void lane_cache_insert(PyObject *lane);
 PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op);
 PyObject *lane_cache_forget(PyObject *module, PyObject *ctx);
+extern const char find_lane_doc[];
+PyObject *find_lane(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 extern const char forget_doc[];
 PyObject *set_before_call(PyObject *module, PyObject *function);
 PyObject *wait_at_call(PyObject *module, PyObject *flag);
