@@ -65,7 +65,26 @@ def run(number: int, inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, 
     """
     fast = run_delegated(_sites[number], inputs, results)
     if fast is not None:
-        _module.set_fast(number, *fast)
+        ctx, call = fast
+        # Freed with the context's group when it closes: the handler then drops its paths.
+        ctx.full_group.extra.setdefault(_FAST_PATHS, _FastPaths(ctx))
+        _module.set_fast(number, ctx, call)
+
+
+_FAST_PATHS = "mpitensor.jax fast paths"
+
+
+class _FastPaths:
+    """The handler's fast paths of one context, which the context frees with its group's caches."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def free(self) -> None:
+        """Drop the handler's fast paths of the context (it is closing), so they do not keep it alive."""
+        _module.forget(self.ctx)
 
 
 def register() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -265,3 +268,18 @@ def test_repeated_all_reduces_across_contexts(module_ctx, length):
     with pytest.raises(jax.errors.JaxRuntimeError, match="CollectiveMismatchError"):
         compiled(jnp.ones(other, jnp.float32)).block_until_ready()
     check(module_ctx, 2, "after the mismatch")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_closed_context_is_not_kept_alive_by_the_fast_paths(module_ctx):
+    """The handler's fast paths of a context are dropped when it closes: after a collection nothing holds it."""
+    small, large = jax.jit(mtj.all_reduce), jax.jit(mtj.all_reduce)
+    with mt.DistributedContext.init() as ctx:
+        for _ in range(3):
+            np.testing.assert_array_equal(small(jnp.ones(2)), np.full(2, float(ctx.size)))
+            np.testing.assert_array_equal(large(jnp.ones(20_000)), np.full(20_000, float(ctx.size)))
+    closed = weakref.ref(ctx)
+    del ctx
+    gc.collect()
+    assert closed() is None, [type(referrer).__name__ for referrer in gc.get_referrers(closed())]
+    np.testing.assert_array_equal(large(jnp.ones(20_000)), np.full(20_000, float(module_ctx.size)))

@@ -251,7 +251,7 @@ PyDoc_STRVAR(set_fast_doc,
 "Give call site `site` a fast path: while `ctx` is the innermost open context, the handler\n"
 "calls run(input, result) on the call's one input and one result, without the runner; True\n"
 "means done, None declined (the runner takes the call). The path is dropped once another\n"
-"context is innermost.");
+"context is innermost, or by forget(ctx).");
 
 static PyObject *set_fast(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -273,10 +273,25 @@ static PyObject *set_fast(PyObject *module, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(forget_doc,
+"forget(ctx)\n--\n\n"
+"Drop the fast paths of context `ctx` (it is closing), so that they do not keep it alive.");
+
+static PyObject *forget(PyObject *module, PyObject *ctx) {
+    (void)module;
+    for (int64_t site = 0; site < fast_count; site++)
+        if (fasts[site].ctx == ctx) {
+            Py_CLEAR(fasts[site].ctx);
+            Py_CLEAR(fasts[site].run);
+        }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"capsule", capsule, METH_NOARGS, capsule_doc},
     {"set_runner", (PyCFunction)(void (*)(void))set_runner, METH_FASTCALL, set_runner_doc},
     {"set_fast", (PyCFunction)(void (*)(void))set_fast, METH_FASTCALL, set_fast_doc},
+    {"forget", forget, METH_O, forget_doc},
     {NULL, NULL, 0, NULL},
 };
 
