@@ -8,6 +8,7 @@ static parameters (op, root, group, dtype...). XLA calls the compiled handler
 call is checked, timed out and failed fast as every eager call is, and needs no MPI handle
 baked into the compiled program: it uses whichever context is open when it runs. XLA runs
 it on one of its threads as often as on the caller's; `_runtime.ordering` keeps the order.
+An all-reduce's later calls skip `run`: its runner hands back a fast path (see `run`).
 """
 
 from __future__ import annotations

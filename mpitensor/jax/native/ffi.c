@@ -6,7 +6,9 @@
  * the call site's number; the runner calls the eager collective with the result as `out=`,
  * so a compiled call gets the consistency check, the timeouts and the fail-fast of every
  * other call. A Python exception becomes an XLA error carrying its type and message, which
- * JAX raises on the calling rank.
+ * JAX raises on the calling rank. A runner may hand back a fast path for its site (an
+ * all-reduce: its compiled lane's `run_into` or `run_held`): later calls go straight to it,
+ * with no Python frame, while the context it belongs to is the innermost open one.
  *
  * Only the XLA FFI C API is used (its header ships beside this file), so the build needs
  * neither jaxlib nor a C++ compiler.
@@ -157,7 +159,10 @@ static int run_fast(const XLA_FFI_CallFrame *frame, int64_t site) {
     int taken = results == NULL ? -1 : 0;
     if (taken == 0 && PyTuple_GET_SIZE(inputs) == 1 && PyTuple_GET_SIZE(results) == 1) {
         PyObject *args[2] = {PyTuple_GET_ITEM(inputs, 0), PyTuple_GET_ITEM(results, 0)};
-        PyObject *done = PyObject_Vectorcall(fasts[site].run, args, 2, NULL);
+        /* Its own reference: a context closed meanwhile (a failure) drops the path. */
+        PyObject *call = Py_NewRef(fasts[site].run);
+        PyObject *done = PyObject_Vectorcall(call, args, 2, NULL);
+        Py_DECREF(call);
         taken = done == NULL ? -1 : done != Py_None;
         Py_XDECREF(done);
     }
