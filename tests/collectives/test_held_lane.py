@@ -37,6 +37,15 @@ def _lane(ctx: mt.DistributedContext, dtype: object, op: object, into: bool) -> 
     return ctx.full_group.extra.get(HELD_LANES, {}).get((np.dtype(dtype), SHAPE, op, into))
 
 
+def _kept_lane(ctx: mt.DistributedContext, into: bool) -> object:
+    """The compiled lane of float64 SUM calls of `SHAPE` (in place or into `out`), kept by two calls."""
+    for _ in range(2):
+        _held(np.ones(SHAPE), OP.SUM, into)
+    lane = _lane(ctx, np.float64, OP.SUM, into)
+    assert lane is not None
+    return lane
+
+
 def _held(array: np.ndarray, op: object, into: bool) -> np.ndarray:
     """The held all-reduce of `array`, in place or into a fresh `out` (the caller's buffer where it is held)."""
     out = np.empty_like(array) if into else None
@@ -81,9 +90,7 @@ def test_repeated_calls_on_the_lane_match_numpy(op, dtype, into):
 def test_a_mismatch_met_on_the_lane_is_caught_on_every_rank():
     """Every rank has the lane of a kind; the last rank then calls another shape: both named, context usable."""
     with mt.DistributedContext.init() as ctx:
-        for _ in range(2):
-            _held(np.ones(SHAPE), OP.SUM, True)
-        assert _lane(ctx, np.float64, OP.SUM, True) is not None
+        _kept_lane(ctx, True)
         shape = (19_999,) if ctx.rank == ctx.size - 1 else SHAPE
         expect_mismatch(lambda: all_reduce_held(np.ones(shape), OP.SUM, out=np.empty(shape)), "20000", "19999")
         np.testing.assert_array_equal(_held(np.ones(SHAPE), OP.SUM, True), np.full(SHAPE, float(ctx.size)))
@@ -95,10 +102,7 @@ def test_a_mismatch_met_on_the_lane_is_caught_on_every_rank():
 def test_calls_the_lane_declines_take_the_python_path():
     """Another thread's call and arrays not of the lane are declined; sub-groups, traced, unchecked calls have none."""
     with mt.DistributedContext.init() as ctx:
-        for _ in range(2):
-            _held(np.ones(SHAPE), OP.SUM, False)
-        lane = _lane(ctx, np.float64, OP.SUM, False)
-        assert lane is not None
+        lane = _kept_lane(ctx, False)
         array, out = np.ones(SHAPE), np.empty(SHAPE)
         assert lane.start_held(array, out) is None, "an in-place lane declines a call into another array"
         assert lane.start_held(np.ones(SHAPE, np.float32), np.ones(SHAPE, np.float32)) is None
@@ -126,10 +130,7 @@ def test_run_held_reduces_at_once_and_declines_as_start_held():
     a late peer waited for; overlapping arrays and another thread's call declined, and an
     overlapping `out` refused by `all_reduce_held` as on its first call."""
     with mt.DistributedContext.init() as ctx:
-        for _ in range(2):
-            _held(np.ones(SHAPE), OP.SUM, True)
-        lane = _lane(ctx, np.float64, OP.SUM, True)
-        assert lane is not None
+        lane = _kept_lane(ctx, True)
         for turn in range(3):
             seed = seed_of("run-held", turn)
             inputs = [rank_input(seed, r, SHAPE, np.float64) for r in range(ctx.size)]

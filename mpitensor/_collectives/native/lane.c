@@ -595,15 +595,19 @@ PyObject *lane_start(PyObject *self, PyObject *tensor, PyObject *array) {
 
 PyObject *lane_context(PyObject *self) { return ((Lane *)self)->ctx; }
 
+/* Whether `array` is an exact, C-contiguous ndarray of the lane's dtype object and shape. */
+static int of_lane(Lane *lane, PyObject *array) {
+    if (!PyArray_CheckExact(array)) return 0;
+    PyArrayObject *a = (PyArrayObject *)array;
+    if (!PyArray_IS_C_CONTIGUOUS(a) || PyArray_DESCR(a) != lane->descr || PyArray_NDIM(a) != lane->ndim) return 0;
+    for (int axis = 0; axis < lane->ndim; axis++)
+        if (PyArray_DIMS(a)[axis] != lane->dims[axis]) return 0;
+    return 1;
+}
+
 int lane_matches(PyObject *self, PyObject *ctx, PyArrayObject *array, PyObject *op) {
     Lane *lane = (Lane *)self;
-    if (lane->ctx != ctx || lane->op_key != op || PyArray_DESCR(array) != lane->descr ||
-        PyArray_NDIM(array) != lane->ndim || !PyArray_IS_C_CONTIGUOUS(array))
-        return 0;
-    npy_intp *dims = PyArray_DIMS(array);
-    for (int axis = 0; axis < lane->ndim; axis++)
-        if (dims[axis] != lane->dims[axis]) return 0;
-    return 1;
+    return lane->ctx == ctx && lane->op_key == op && of_lane(lane, (PyObject *)array);
 }
 
 PyDoc_STRVAR(Lane_start_doc,
@@ -813,16 +817,6 @@ static void Lane_dealloc(PyObject *self) {
     PyObject_GC_UnTrack(self);
     Lane_clear(self);
     Py_TYPE(self)->tp_free(self);
-}
-
-/* Whether `array` is an exact, C-contiguous ndarray of the lane's dtype object and shape. */
-static int of_lane(Lane *lane, PyObject *array) {
-    if (!PyArray_CheckExact(array)) return 0;
-    PyArrayObject *a = (PyArrayObject *)array;
-    if (!PyArray_IS_C_CONTIGUOUS(a) || PyArray_DESCR(a) != lane->descr || PyArray_NDIM(a) != lane->ndim) return 0;
-    for (int axis = 0; axis < lane->ndim; axis++)
-        if (PyArray_DIMS(a)[axis] != lane->dims[axis]) return 0;
-    return 1;
 }
 
 /* Whether two C-contiguous arrays of the same size share memory (MPI takes no overlapping
