@@ -8,7 +8,11 @@ Per size (8 B, 64 KiB, 1 MiB, 16 MiB of float32) the variants, alternated in rou
 - ``jit floor``: ``jax.jit(lambda x: x + 0)``, the cost of a jitted call with no communication;
 - at 8 B, ``mt.all_reduce`` of a JAX array and of a NumPy array (eager, resolved).
 
-Each figure is the median over rounds of the slowest rank's mean time per call.
+Every other round runs the variants in the reverse order.
+
+Each time is the median over rounds of the slowest rank's mean time per call; each ratio the
+median over rounds of the ratio within the round (the variants it compares ran one after the
+other, so a slower spell of the machine moves both).
 Run ``mpiexec -n 2 python -m mpitensor.bench jax``.
 """
 
@@ -64,7 +68,7 @@ def _mpi4jax() -> Any:
     return mpi4jax
 
 
-def run_jax(rounds: int = 7, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_jax(rounds: int = 15, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Time the jitted all-reduces (every rank calls it).
 
     Returns:
@@ -81,19 +85,25 @@ def run_jax(rounds: int = 7, progress: Callable[[str], None] | None = None) -> d
     with mt.DistributedContext.init() as ctx:
         variants = {size: _variants(elements) for size, elements in _SIZES.items()}
         times = {size: {name: [] for name in calls} for size, calls in variants.items()}
-        for _ in range(rounds):
+        for round_ in range(rounds):
             for size, calls in variants.items():
-                for name, call in calls.items():
+                # Every other round in the reverse order: no variant always runs first.
+                for name, call in list(calls.items())[::1 if round_ % 2 == 0 else -1]:
                     took = seconds_per_call(call, _reps(_SIZES[size]), ctx.comm.Barrier)
                     times[size][name].append(ctx.comm.allreduce(took, op=MPI.MAX))
         variants = {}
     if progress is not None and ctx.rank == 0:
         progress("jax: done")
     medians = {size: {name: float(np.median(v)) for name, v in by.items()} for size, by in times.items()}
-    ratios = {size: by["mpitensor.jax"] / by["mpi4jax"] for size, by in medians.items() if "mpi4jax" in by}
-    small = medians["8 B"]
+    ratios = {size: _paired(by["mpitensor.jax"], by["mpi4jax"]) for size, by in times.items() if "mpi4jax" in by}
+    small = times["8 B"]
     return {"ranks": ctx.size, "rounds": rounds, "seconds": medians, "mpitensor_jax_over_mpi4jax": ratios,
-            "eager_jax_over_numpy_8b": small["mt.all_reduce (JAX)"] / small["mt.all_reduce (NumPy)"]}
+            "eager_jax_over_numpy_8b": _paired(small["mt.all_reduce (JAX)"], small["mt.all_reduce (NumPy)"])}
+
+
+def _paired(ours: list[float], theirs: list[float]) -> float:
+    """The median over rounds of `ours` / `theirs` within each round."""
+    return float(np.median(np.asarray(ours) / np.asarray(theirs)))
 
 
 def format_jax(result: dict[str, Any], markdown: bool = True) -> str:
@@ -104,8 +114,9 @@ def format_jax(result: dict[str, Any], markdown: bool = True) -> str:
     header = ["size", "variant", "us per call"]
     rows = [[size, name, f"{seconds * 1e6:.1f}"] for size, by in result["seconds"].items()
             for name, seconds in by.items()]
-    against = ", ".join(f"{size} {ratio:.2f}x" for size, ratio in ratios.items()) or "mpi4jax not installed"
-    title = (f"all-reduce inside jax.jit, {result['ranks']} ranks, medians of {result['rounds']} rounds: "
+    against = ", ".join(f"{size} {ratio:.3f}x" for size, ratio in ratios.items()) or "mpi4jax not installed"
+    title = (f"all-reduce inside jax.jit, {result['ranks']} ranks, medians of {result['rounds']} rounds "
+             f"(ratios: of the ratios within each round): "
              f"mpitensor.jax / mpi4jax {against}; eager mt.all_reduce JAX / NumPy at 8 B "
              f"{result['eager_jax_over_numpy_8b']:.2f}x")
     table = markdown_table(header, rows) if markdown else text_table(header, rows)

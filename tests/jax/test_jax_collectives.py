@@ -271,13 +271,52 @@ def test_repeated_all_reduces_across_contexts(module_ctx, length):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("length", [2, 20_000], ids=["8 B", "80 KB"])
+def test_repeated_broadcasts_and_all_gathers_across_contexts(module_ctx, length):
+    """A compiled broadcast's and all-gather's held lanes, as the all-reduce's: in nested contexts, after
+    they close, and met by a peer's mismatch (another root, another length), every result equals NumPy's."""
+    root = module_ctx.size - 1
+    spread = jax.jit(lambda x: mtj.broadcast(x, root))
+    gathered = jax.jit(mtj.all_gather)
+
+    def check(ctx, turns, salt, spread=spread, gathered=gathered, root=root):
+        for turn in range(turns):
+            inputs = [rank_input(seed_of("jit-data", length, salt, turn), r, (length,), np.float32)
+                      for r in range(ctx.size)]
+            mine = jnp.asarray(inputs[ctx.rank])
+            if gathered is not None:
+                np.testing.assert_array_equal(np.asarray(gathered(mine)), np.stack(inputs))
+            np.testing.assert_array_equal(np.asarray(spread(mine)), inputs[root])
+
+    check(module_ctx, 3, "outer")
+    with mt.DistributedContext.init() as inner:
+        check(inner, 3, "inner")
+    check(module_ctx, 2, "outer again")
+    if module_ctx.rank == 0:
+        with mt.DistributedContext.init(devices=[0]) as alone:
+            # A broadcast from rank 0 only: a gather's result shape, the group's size when first
+            # traced, stays that of the module's context for arrays of this shape.
+            check(alone, 2, "alone", jax.jit(mtj.broadcast), None, 0)
+    check(module_ctx, 2, "outer after rank 0 alone")
+    other = length if module_ctx.rank == 0 else length + 1
+    with pytest.raises(jax.errors.JaxRuntimeError, match="CollectiveMismatchError"):
+        gathered(jnp.ones(other, jnp.float32)).block_until_ready()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="CollectiveMismatchError"):
+        jax.jit(lambda x: mtj.broadcast(x, module_ctx.rank))(jnp.ones(length, jnp.float32)).block_until_ready()
+    check(module_ctx, 2, "after the mismatches")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_closed_context_is_not_kept_alive_by_the_fast_paths(module_ctx):
     """The handler's fast paths of a context are dropped when it closes: after a collection nothing holds it."""
     small, large = jax.jit(mtj.all_reduce), jax.jit(mtj.all_reduce)
+    spread, gathered = jax.jit(mtj.broadcast), jax.jit(mtj.all_gather)
     with mt.DistributedContext.init() as ctx:
         for _ in range(3):
             np.testing.assert_array_equal(small(jnp.ones(2)), np.full(2, float(ctx.size)))
             np.testing.assert_array_equal(large(jnp.ones(20_000)), np.full(20_000, float(ctx.size)))
+            np.testing.assert_array_equal(spread(jnp.full(4, float(ctx.rank))), np.zeros(4))
+            np.testing.assert_array_equal(gathered(jnp.ones(4)), np.ones((ctx.size, 4)))
     closed = weakref.ref(ctx)
     del ctx
     gc.collect()

@@ -21,6 +21,8 @@ Two kinds of call have one, when their lane's plan allows it (`compiled_lane`):
 A third, `compiled_held_lane`, takes `all_reduce_held`'s repeated checked calls (groups of
 2-8 ranks, any size): when the check agrees within the spin, MPI's blocking all-reduce from
 the caller's input into the caller's buffer (or in place), the GIL released, in the same C call.
+`compiled_held_data_lane` does the same for `broadcast_held` and `all_gather_held` (`held.py`)
+with MPI's blocking broadcast and all-gather of bytes.
 
 MEAN's division is compiled for float32 and float64; other MEAN lanes stay Python. A Python
 number, NumPy scalar or CPU torch tensor takes the compiled lane of the array
@@ -28,7 +30,8 @@ number, NumPy scalar or CPU torch tensor takes the compiled lane of the array
 own kind (a `Convert` on the handle, which the compiled resolve settles as the Python one does).
 
 The C code calls MPI without MPI's headers (one build serves Open MPI, MPICH and their
-kin): it finds ``MPI_Iallreduce``, ``MPI_Iallgather``, ``MPI_Test``, ``MPI_Wait`` and ``MPI_Allreduce`` in the
+kin): it finds ``MPI_Iallreduce``, ``MPI_Iallgather``, ``MPI_Test``, ``MPI_Wait``, ``MPI_Allreduce``,
+``MPI_Allgather``, ``MPI_Bcast`` and ``MPI_Comm_rank`` in the
 library mpi4py loaded, reads handles out of mpi4py's objects through mpi4py's C API, and
 casts each call to the handle kind `_core.mpi.pointer_handles` reports. Where the module
 was not built (no compiler when installed), cannot bind, or ``MPITENSOR_NATIVE=0`` is set,
@@ -47,12 +50,12 @@ from ..._core import state
 from ..._core.config import ReduceOperation, compiled_parts_off
 from ..._core.dtypes import OrderedKeys
 from ..._core.interop import take_quickly
+from ..._core.mpi import MPI, pointer_handles
 from ..._core.mpi import module as mpi_module
-from ..._core.mpi import pointer_handles
 from ..._core.tensor import TENSOR_FIELDS, Tensor
 from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, SPIN_PAUSES, STATES, Op
 from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried, reduce_carried_keys
-from ..._transport.mpi import SMALL_BYTES, held_all_reduce, in_place
+from ..._transport.mpi import SMALL_BYTES, held_all_gather, held_all_reduce, held_broadcast, in_place
 from ..common import HANDLE_FIELDS, CollectiveTensor, Convert, Later
 
 try:
@@ -66,8 +69,8 @@ except ImportError:  # not built: the Python lanes record in the Python ring
     _Ring = None
 
 __all__ = [
-    "LaneTensor", "built", "compiled_held_lane", "compiled_lane", "find_lane", "forget", "front", "leaf_loops",
-    "set_before_call", "status", "wait_at_call",
+    "LaneTensor", "built", "compiled_held_data_lane", "compiled_held_lane", "compiled_lane", "find_lane", "forget",
+    "front", "leaf_loops", "set_before_call", "status", "wait_at_call",
 ]
 
 # ReduceOperation to the C loops' op codes (MEAN reduces as SUM, then divides).
@@ -284,7 +287,7 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
         per_rank=CARRIED if checked else 0 if record is None else record.per_rank, rows=rows,
         spins=lane.ctx.engine.check_spins(),
         queued_post=(_carried_post(keys) if checked else in_place, group.comm, plan), done_op=done, trace=trace,
-        keys=keys, into=False,
+        keys=keys, into=False, collective=_lanes.ALL_REDUCE, root=-1,
     )
 
 
@@ -318,6 +321,40 @@ def compiled_held_lane(ctx: Any, group: Any, op: Any, array: np.ndarray, plan: A
         datatype=plan.datatype, mpi_op=plan.mpi_op, divide=plan.divide, record=record, value=record.check_value(),
         per_rank=record.per_rank, rows=0, spins=ctx.engine.check_spins(),
         queued_post=(held_all_reduce, group.comm, plan), done_op=done, trace=None, keys=0, into=into,
+        collective=_lanes.ALL_REDUCE, root=-1,
+    )
+
+
+def compiled_held_data_lane(ctx: Any, group: Any, kind: str, array: np.ndarray, root: int, record: Any) -> Any:
+    """The compiled lane of `broadcast_held`'s or `all_gather_held`'s calls of one kind, or None.
+
+    Args:
+        ctx: the context.
+        group: the calls' group.
+        kind: ``"broadcast"`` or ``"all_gather"``.
+        array: an input of the kind (dtype and shape).
+        root: a broadcast's root, its index in the group (-1 for an all-gather).
+        record: the check's record of these calls.
+
+    Returns:
+        A `_lanes.Lane` of kind ``HELD`` into another array, or None where there is none:
+        unchecked calls, groups the check gathers no rows for, a context that traces, more
+        than 2**31 - 1 bytes, or the module not bound.
+    """
+    if (record is None or not group.gathers or not 2 <= group.size <= 8 or array.nbytes >= 1 << 31
+            or ctx.engine.tracer is not None or not _bind()):
+        return None
+    done = Op(kind, group, array.nbytes, lambda: [], record=record)
+    done.state = COMPLETE  # the op that calls completed at the call share: nothing is left to do
+    template = np.broadcast_to(np.empty((), array.dtype), array.shape)
+    broadcast = kind == "broadcast"
+    return _lanes.Lane(
+        kind=_lanes.HELD, ctx=ctx, group=group, op_key=None, template=template, datatype=MPI.BYTE,
+        mpi_op=MPI.OP_NULL, divide=False, record=record, value=record.check_value(), per_rank=record.per_rank,
+        rows=0, spins=ctx.engine.check_spins(),
+        queued_post=(held_broadcast if broadcast else held_all_gather, group.comm, root if broadcast else None),
+        done_op=done, trace=None, keys=0, into=True,
+        collective=_lanes.BROADCAST if broadcast else _lanes.ALL_GATHER, root=root,
     )
 
 

@@ -21,6 +21,12 @@ typedef int (*allreduce_ptr)(const void *, void *, int, void *, void *, void *);
 typedef int (*allreduce_int)(const void *, void *, int, int, int, int);
 typedef int (*iallgather_ptr)(const void *, int, void *, void *, int, void *, void *, void *);
 typedef int (*iallgather_int)(const void *, int, int, void *, int, int, int, void *);
+typedef int (*allgather_ptr)(const void *, int, void *, void *, int, void *, void *);
+typedef int (*allgather_int)(const void *, int, int, void *, int, int, int);
+typedef int (*bcast_ptr)(void *, int, void *, int, void *);
+typedef int (*bcast_int)(void *, int, int, int, int);
+typedef int (*comm_rank_ptr)(void *, int *);
+typedef int (*comm_rank_int)(int, int *);
 typedef int (*test_fn)(void *, int *, void *);
 typedef int (*wait_fn)(void *, void *);
 typedef PyObject *(*request_new_ptr)(void *);
@@ -29,7 +35,7 @@ typedef void *(*handle_get)(PyObject *);
 
 static struct {
     int pointer_handles;
-    void *iallreduce, *iallgather, *allreduce;
+    void *iallreduce, *iallgather, *allreduce, *allgather, *bcast, *comm_rank;
     test_fn test;
     wait_fn wait;
     void *request_new;
@@ -48,7 +54,12 @@ static int find_in(void *library, const char *why_prefix, char *why, size_t why_
     mpi.test = (test_fn)dlsym(library, "MPI_Test");
     mpi.wait = (wait_fn)dlsym(library, "MPI_Wait");
     mpi.allreduce = dlsym(library, "MPI_Allreduce");
-    if (mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait && mpi.allreduce) return 1;
+    mpi.allgather = dlsym(library, "MPI_Allgather");
+    mpi.bcast = dlsym(library, "MPI_Bcast");
+    mpi.comm_rank = dlsym(library, "MPI_Comm_rank");
+    if (mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait && mpi.allreduce && mpi.allgather && mpi.bcast &&
+        mpi.comm_rank)
+        return 1;
     snprintf(why, why_size, "%s", why_prefix);
     return 0;
 }
@@ -77,7 +88,8 @@ static int find_functions(char *why, size_t why_size) {
     struct search search = {NULL};
     dl_iterate_phdr(find_library, &search);
     if (search.found != NULL && find_in(search.found, "", why, why_size)) return 0;
-    snprintf(why, why_size, "no loaded library exports MPI_Iallreduce, MPI_Iallgather, MPI_Test, MPI_Wait and MPI_Allreduce");
+    snprintf(why, why_size, "no loaded library exports MPI_Iallreduce, MPI_Iallgather, MPI_Test, MPI_Wait, "
+                            "MPI_Allreduce, MPI_Allgather, MPI_Bcast and MPI_Comm_rank");
     return -1;
 }
 
@@ -194,6 +206,23 @@ int mpi_iallgather_bytes(const void *send, void *recv, int count, mpi_handle com
                                              request);
 }
 
+int mpi_allgather_bytes(const void *send, void *recv, int count, mpi_handle comm) {
+    if (mpi.pointer_handles)
+        return ((allgather_ptr)mpi.allgather)(send, count, (void *)mpi.byte, recv, count, (void *)mpi.byte,
+                                               (void *)comm);
+    return ((allgather_int)mpi.allgather)(send, count, (int)mpi.byte, recv, count, (int)mpi.byte, (int)comm);
+}
+
+int mpi_bcast_bytes(void *buffer, int count, int root, mpi_handle comm) {
+    if (mpi.pointer_handles) return ((bcast_ptr)mpi.bcast)(buffer, count, (void *)mpi.byte, root, (void *)comm);
+    return ((bcast_int)mpi.bcast)(buffer, count, (int)mpi.byte, root, (int)comm);
+}
+
+int mpi_comm_rank(mpi_handle comm, int *rank) {
+    if (mpi.pointer_handles) return ((comm_rank_ptr)mpi.comm_rank)((void *)comm, rank);
+    return ((comm_rank_int)mpi.comm_rank)((int)comm, rank);
+}
+
 int mpi_test(void *request, int *flag) {
     any_status status;
     return mpi.test(request, flag, &status);
@@ -204,10 +233,10 @@ int mpi_wait(void *request) {
     return mpi.wait(request, &status);
 }
 
-void mpi_failed(PyObject *engine, int code, PyObject *op) {
+void mpi_failed(PyObject *engine, int code, PyObject *op, PyObject *name) {
     PyObject *mpi_error = PyObject_CallFunction(mpi.exception, "i", code);
     if (mpi_error == NULL) return;
-    PyObject *error = PyObject_CallMethod(engine, "mpi_failed", "OOO", mpi_error, op, consts.kind_name);
+    PyObject *error = PyObject_CallMethod(engine, "mpi_failed", "OOO", mpi_error, op, name);
     Py_DECREF(mpi_error);
     if (error == NULL) return;
     PyErr_SetObject((PyObject *)Py_TYPE(error), error);

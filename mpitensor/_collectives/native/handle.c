@@ -163,7 +163,7 @@ static int wait_posted(PyObject *op, PyObject *engine, PyObject *acquire, PyObje
         else result = alone(engine);
     }
     if (result > 0 && code != 0) {
-        mpi_failed(engine, code, op);
+        mpi_failed(engine, code, op, SLOT(op, layout.op_name));
         result = -1;
     }
     if (result > 0 && (remove_posted(engine, op) < 0 || complete(op) < 0)) result = -1;

@@ -17,6 +17,9 @@
  *   result buffer (one array, or two); when every row agrees within the spin, MPI's
  *   blocking all-reduce reduces one into the other, the GIL released, as the `Held`
  *   transport does once the engine has seen the check agree, and the call completes at once.
+ *   A HELD lane of a broadcast or an all-gather (`held.py`: `broadcast_held`,
+ *   `all_gather_held`) does the same with MPI's blocking broadcast or all-gather of bytes
+ *   from the caller's input into its result buffer.
  *
  * For MAX/MIN of float32 and float64 (`keys`), MPI reduces OrderedKeys, as on the general
  * path: a `COPY` lane's copy is made of the input's keys, and its op's finish decodes them;
@@ -43,6 +46,7 @@
 
 enum { LANE_COPY = 0, LANE_CHECK = 1, LANE_HELD = 2 };
 enum { KEYS_NONE = 0, KEYS_MAX = 1, KEYS_MIN = 2 };
+enum { OF_ALL_REDUCE = 0, OF_BROADCAST = 1, OF_ALL_GATHER = 2 }; /* the collective a lane's calls are */
 
 typedef struct {
     PyObject_HEAD
@@ -58,6 +62,8 @@ typedef struct {
     int size, spins, divide, rows_kind, type_num;
     int keys; /* MPI reduces MAX/MIN keys of floats: 0 none, else KEYS_MAX or KEYS_MIN */
     int into; /* HELD: the result lands in the caller's other array (1), or in the input (0) */
+    int collective, root, me; /* OF_*; a broadcast's root and this rank, in the group's communicator */
+    PyObject *name;           /* the collective's name: its ops', and MPI's errors' */
     unsigned long owner;
     long long value, per_rank;
     PyObject *send, *recv, *request; /* the check's buffers and request, reused while no op holds them */
@@ -108,7 +114,7 @@ PyObject *make_handle(PyObject *op, PyObject *value, PyObject *ctx) {
 static PyObject *make_op(Lane *lane, int state, PyObject *record, PyObject *finish) {
     PyObject *op = alloc(layout.op_type);
     if (op == NULL) return NULL;
-    slot_set(op, layout.op_name, consts.kind_name);
+    slot_set(op, layout.op_name, lane->name);
     slot_set(op, layout.op_group, lane->group);
     slot_set(op, layout.op_nbytes, lane->nbytes_obj);
     slot_set(op, layout.op_post, Py_None);
@@ -278,7 +284,7 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
     int code = mpi_iallgather_bytes(row, rows, consts.row_bytes, lane->check_comm, slot);
     if (code != 0) {
         Py_CLEAR(*seq);
-        mpi_failed(lane->engine, code, Py_None);
+        mpi_failed(lane->engine, code, Py_None, lane->name);
         return -1;
     }
     int flag = 0;
@@ -458,7 +464,7 @@ static int post_data(Lane *lane, Call *call, PyObject *posted) {
     int code = mpi_iallreduce_in_place(PyArray_DATA((PyArrayObject *)call->out), (int)lane->count, lane->datatype,
                                        lane->mpi_op, lane->comm, mpi_request_slot(call->request));
     if (code != 0) {
-        mpi_failed(lane->engine, code, call->op);
+        mpi_failed(lane->engine, code, call->op, lane->name);
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         PyErr_NormalizeException(&type, &value, &traceback);
@@ -472,19 +478,29 @@ static int post_data(Lane *lane, Call *call, PyObject *posted) {
     return PyList_Append(posted, call->op) < 0 ? -1 : 1;
 }
 
-/* A HELD call whose check agreed: MPI's blocking all-reduce from the caller's input into its
- * result buffer (in place where they are one), the GIL released, then MEAN's division; the
- * handle then shares the lane's done op. 1 done; 0 MPI failed, and its error is the op's
- * (resolve() raises it, as the engine's `_post_data` leaves it); -1 error. */
+/* The HELD call's blocking MPI call from `source` (NULL: in place) into `out`; call without the GIL. */
+static int held_mpi(Lane *lane, const void *source, void *out) {
+    if (lane->collective == OF_ALL_GATHER) return mpi_allgather_bytes(source, out, (int)lane->nbytes, lane->comm);
+    if (lane->collective == OF_BROADCAST) {
+        if (lane->me == lane->root) memcpy(out, source, (size_t)lane->nbytes); /* start_held: no overlap */
+        return mpi_bcast_bytes(out, (int)lane->nbytes, lane->root, lane->comm);
+    }
+    return mpi_allreduce(source, out, (int)lane->count, lane->datatype, lane->mpi_op, lane->comm);
+}
+
+/* A HELD call whose check agreed: MPI's blocking all-reduce (broadcast, all-gather) from the
+ * caller's input into its result buffer (in place where they are one), the GIL released,
+ * then MEAN's division; the handle then shares the lane's done op. 1 done; 0 MPI failed, and
+ * its error is the op's (resolve() raises it, as the engine's `_post_data` leaves it); -1 error. */
 static int held_reduce(Lane *lane, Call *call) {
     void *out = PyArray_DATA((PyArrayObject *)call->out);
     const void *source = lane->into ? PyArray_DATA((PyArrayObject *)call->source) : NULL;
     int code;
     Py_BEGIN_ALLOW_THREADS
-    code = mpi_allreduce(source, out, (int)lane->count, lane->datatype, lane->mpi_op, lane->comm);
+    code = held_mpi(lane, source, out);
     Py_END_ALLOW_THREADS
     if (code != 0) {
-        mpi_failed(lane->engine, code, call->op);
+        mpi_failed(lane->engine, code, call->op, lane->name);
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         PyErr_NormalizeException(&type, &value, &traceback);
@@ -637,7 +653,7 @@ static PyObject *Lane_start(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static const char *lane_keywords[] = {
     "kind", "ctx", "group", "op_key", "template", "datatype", "mpi_op", "divide", "record", "value", "per_rank",
-    "rows", "spins", "queued_post", "done_op", "trace", "keys", "into", NULL};
+    "rows", "spins", "queued_post", "done_op", "trace", "keys", "into", "collective", "root", NULL};
 
 /* Where `queued_post` is (start, comm, plan) and functools' partial can be had; 0, or -1 with an error set. */
 static int take_post(Lane *lane, PyObject *queued_post) {
@@ -678,14 +694,22 @@ static int take_trace(Lane *lane, PyObject *trace) {
     return 0;
 }
 
+/* The lane's collective's name (its ops', as `Op` names them); 0, or -1 with an error set. */
+static int lane_name(Lane *lane) {
+    static const char *names_of[] = {"all_reduce", "broadcast", "all_gather"};
+    lane->name = PyUnicode_InternFromString(names_of[lane->collective]);
+    return lane->name == NULL ? -1 : 0;
+}
+
 static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     Lane *lane = (Lane *)self;
     PyObject *ctx, *group, *op_key, *template, *datatype, *mpi_op, *record, *queued_post, *done_op, *trace = Py_None;
     int divide;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOOip", (char **)lane_keywords, &lane->kind,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOOipii", (char **)lane_keywords, &lane->kind,
                                      &ctx, &group, &op_key, &PyArray_Type, &template, &datatype, &mpi_op,
                                      &divide, &record, &lane->value, &lane->per_rank, &lane->rows_kind,
-                                     &lane->spins, &queued_post, &done_op, &trace, &lane->keys, &lane->into))
+                                     &lane->spins, &queued_post, &done_op, &trace, &lane->keys, &lane->into,
+                                     &lane->collective, &lane->root))
         return -1;
     if (lane->ctx != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a lane is made once");
@@ -713,6 +737,12 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "a held lane is checked, has no MAX/MIN keys, does not trace, and fits an int count");
         return -1;
     }
+    if (lane->collective != OF_ALL_REDUCE &&
+        (lane->collective < 0 || lane->collective > OF_ALL_GATHER || lane->kind != LANE_HELD || !lane->into || divide || lane->nbytes > INT_MAX)) {
+        PyErr_SetString(PyExc_ValueError, "a broadcast's or all-gather's lane is HELD, into another array, of at most "
+                                          "2**31 - 1 bytes, without MEAN");
+        return -1;
+    }
     if (lane->keys != KEYS_NONE && (lane->keys > KEYS_MIN || divide || !keys_supported(lane->type_num))) {
         PyErr_SetString(PyExc_ValueError, "MAX/MIN keys are compiled for float32 and float64 only, without MEAN");
         return -1;
@@ -736,6 +766,7 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (ok) ok = (lane->mpi_op = mpi_op_of(mpi_op)) != -1 || !PyErr_Occurred();
     if (ok) ok = (lane->owner = PyLong_AsUnsignedLong(owner)) != (unsigned long)-1 || !PyErr_Occurred();
     if (ok) ok = (lane->size = (int)PyLong_AsLong(size)) != -1 || !PyErr_Occurred();
+    if (ok) ok = lane_name(lane) == 0;
     if (ok) ok = take_post(lane, queued_post) == 0;
     if (ok) ok = (lane->acquire = PyObject_GetAttr(lock, names.acquire)) != NULL;
     if (ok) ok = (lane->release = PyObject_GetAttr(lock, names.release)) != NULL;
@@ -743,6 +774,14 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     /* The check's rows are gathered (2-8 ranks), and a carried call reduces at least two. */
     if (ok && record != Py_None && (lane->size < 2 || lane->size > 8)) {
         PyErr_SetString(PyExc_ValueError, "a checked lane needs a group of 2 to 8 ranks, whose checks gather rows");
+        ok = 0;
+    }
+    if (ok && lane->collective == OF_BROADCAST && (lane->root < 0 || lane->root >= lane->size)) {
+        PyErr_SetString(PyExc_ValueError, "a broadcast's lane has a root in its group");
+        ok = 0;
+    }
+    if (ok && mpi_comm_rank(lane->comm, &lane->me) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "MPI_Comm_rank failed on a lane's communicator");
         ok = 0;
     }
     if (ok) lane->lock = Py_NewRef(lock);
@@ -810,6 +849,7 @@ static int Lane_clear(PyObject *self) {
     Py_CLEAR(lane->recv);
     Py_CLEAR(lane->request);
     Py_CLEAR(lane->ring);
+    Py_CLEAR(lane->name);
     return 0;
 }
 
@@ -819,12 +859,21 @@ static void Lane_dealloc(PyObject *self) {
     Py_TYPE(self)->tp_free(self);
 }
 
-/* Whether two C-contiguous arrays of the same size share memory (MPI takes no overlapping
- * send and receive buffers; `all_reduce_held` then says what is wrong). */
+/* Whether two C-contiguous arrays share memory (MPI takes no overlapping send and receive
+ * buffers; `all_reduce_held` then says what is wrong). */
 static int overlap(PyObject *a, PyObject *b) {
     char *x = PyArray_BYTES((PyArrayObject *)a), *y = PyArray_BYTES((PyArrayObject *)b);
-    npy_intp nbytes = PyArray_NBYTES((PyArrayObject *)a);
-    return nbytes > 0 && x < y + nbytes && y < x + nbytes;
+    npy_intp x_bytes = PyArray_NBYTES((PyArrayObject *)a), y_bytes = PyArray_NBYTES((PyArrayObject *)b);
+    return x_bytes > 0 && y_bytes > 0 && x < y + y_bytes && y < x + x_bytes;
+}
+
+/* Whether `out` is a result buffer of this lane's calls: of its dtype and shape, or for an
+ * all-gather an exact C-contiguous ndarray of its dtype holding every rank's input. */
+static int out_of_lane(Lane *lane, PyObject *out) {
+    if (lane->collective != OF_ALL_GATHER) return of_lane(lane, out);
+    if (!PyArray_CheckExact(out)) return 0;
+    PyArrayObject *a = (PyArrayObject *)out;
+    return PyArray_IS_C_CONTIGUOUS(a) && PyArray_DESCR(a) == lane->descr && PyArray_NBYTES(a) == lane->nbytes * lane->size;
 }
 
 PyDoc_STRVAR(Lane_start_held_doc,
@@ -843,7 +892,7 @@ static PyObject *Lane_start_held(PyObject *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     PyObject *array = args[0], *out = args[1];
-    if (!of_lane(lane, array) || !of_lane(lane, out) || (out == array) == lane->into ||
+    if (!of_lane(lane, array) || !out_of_lane(lane, out) || (out == array) == lane->into ||
         !PyArray_ISWRITEABLE((PyArrayObject *)out) || (lane->into && overlap(array, out)))
         Py_RETURN_NONE;
     int ok = usable_here(lane);
@@ -930,8 +979,9 @@ static PyMethodDef Lane_methods[] = {
 
 PyDoc_STRVAR(Lane_doc,
 "Lane(*, kind, ctx, group, op_key, template, datatype, mpi_op, divide, record, value, per_rank, rows,\n"
-"     spins, queued_post, done_op, trace, keys, into)\n--\n\n"
-"The compiled lane of one kind of all-reduce (see native/__init__.py's `compiled_lane`).\n\n"
+"     spins, queued_post, done_op, trace, keys, into, collective, root)\n--\n\n"
+"The compiled lane of one kind of all-reduce (see native/__init__.py's `compiled_lane`), or of\n"
+"a held broadcast or all-gather (`compiled_held_data_lane`).\n\n"
 "kind: COPY (MPI in place on a copy, after the check where there is a record), CHECK (the\n"
 "input carried in the check) or HELD (`start_held`: MPI's blocking all-reduce from the caller's\n"
 "input into its buffer, `into`, or in place, once the check agreed). template: an array of the kind's dtype and shape. datatype,\n"
@@ -942,7 +992,10 @@ PyDoc_STRVAR(Lane_doc,
 "partial(start, comm, out, [payload,] plan) (`reduce_carried` or `in_place`), or for HELD\n"
 "partial(start, comm, input, out, plan) (`held_all_reduce`). done_op: the completed op\n"
 "that carried calls completed at the call share. trace: (ring, kind code, group key) where the\n"
-"context traces (each call is recorded in that compiled ring), else None.");
+"context traces (each call is recorded in that compiled ring), else None. collective:\n"
+"ALL_REDUCE, or for a HELD lane into another array BROADCAST (MPI's blocking broadcast of the\n"
+"input's bytes from `root`, the root's index in the group) or ALL_GATHER (MPI's blocking\n"
+"all-gather of the input's bytes into a result buffer of every rank's); root: -1 otherwise.");
 
 PyTypeObject LaneType = {
     PyVarObject_HEAD_INIT(NULL, 0)

@@ -132,7 +132,6 @@ PyMODINIT_FUNC PyInit__lanes(void) {
     import_array();
     if (names_init() < 0) return NULL;
     if ((consts.empty_tuple = PyTuple_New(0)) == NULL || (consts.one = PyLong_FromLong(1)) == NULL ||
-        (consts.kind_name = PyUnicode_InternFromString("all_reduce")) == NULL ||
         (consts.await_queued_check = PyUnicode_InternFromString("await_queued_check")) == NULL ||
         (consts.settle = PyUnicode_InternFromString("settle")) == NULL)
         return NULL;
@@ -145,7 +144,8 @@ PyMODINIT_FUNC PyInit__lanes(void) {
         PyModule_AddObjectRef(module, "Decode", (PyObject *)&DecodeType) < 0 ||
         PyModule_AddObjectRef(module, "Entry", (PyObject *)&EntryType) < 0 ||
         PyModule_AddIntConstant(module, "COPY", 0) < 0 || PyModule_AddIntConstant(module, "CHECK", 1) < 0 ||
-        PyModule_AddIntConstant(module, "HELD", 2) < 0) {
+        PyModule_AddIntConstant(module, "HELD", 2) < 0 || PyModule_AddIntConstant(module, "ALL_REDUCE", 0) < 0 ||
+        PyModule_AddIntConstant(module, "BROADCAST", 1) < 0 || PyModule_AddIntConstant(module, "ALL_GATHER", 2) < 0) {
         Py_DECREF(module);
         return NULL;
     }

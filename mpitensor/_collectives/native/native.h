@@ -43,11 +43,15 @@ int mpi_iallreduce_in_place(void *buffer, int count, mpi_handle datatype, mpi_ha
 int mpi_iallgather_bytes(const void *send, void *recv, int count, mpi_handle comm, void *request);
 /* Blocking MPI_Allreduce from `send` (NULL: MPI_IN_PLACE) into `recv`; call without the GIL. */
 int mpi_allreduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm);
+/* Blocking MPI_Allgather and MPI_Bcast of `count` bytes per rank; call without the GIL. */
+int mpi_allgather_bytes(const void *send, void *recv, int count, mpi_handle comm);
+int mpi_bcast_bytes(void *buffer, int count, int root, mpi_handle comm);
+int mpi_comm_rank(mpi_handle comm, int *rank);
 int mpi_test(void *request, int *flag);
 int mpi_wait(void *request);
-/* Set the error `engine.mpi_failed(MPI.Exception(code), op, "all_reduce")` makes of MPI's
- * error `code` (it breaks the context; its message names `op`, or the call where op is None). */
-void mpi_failed(PyObject *engine, int code, PyObject *op);
+/* Set the error `engine.mpi_failed(MPI.Exception(code), op, name)` makes of MPI's error `code`
+ * (it breaks the context; its message names `op`, or the call `name` where op is None). */
+void mpi_failed(PyObject *engine, int code, PyObject *op, PyObject *name);
 
 /* ---- the Python classes' slots (slots.c) ------------------------------------------------ */
 typedef struct {
@@ -99,7 +103,7 @@ static inline void trace_mark(PyObject *op, int field) {
 typedef struct {
     PyObject *open_contexts;        /* _core.state.open_contexts, the stack of contexts */
     PyObject *states[5];            /* the engine's op states as ints: CHECKING .. FAILED */
-    PyObject *empty_tuple, *one, *kind_name;
+    PyObject *empty_tuple, *one;
     PyObject *later_type;           /* common.Later: a value settled by the Python resolve */
     PyObject *base_resolve;         /* CollectiveTensor.resolve, the general path */
     PyObject *await_queued_check;   /* the name of Engine.await_queued_check */
