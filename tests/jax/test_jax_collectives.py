@@ -272,21 +272,30 @@ def test_repeated_all_reduces_across_contexts(module_ctx, length):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("length", [2, 20_000], ids=["8 B", "80 KB"])
-def test_repeated_broadcasts_and_all_gathers_across_contexts(module_ctx, length):
-    """A compiled broadcast's and all-gather's held lanes, as the all-reduce's: in nested contexts, after
-    they close, and met by a peer's mismatch (another root, another length), every result equals NumPy's."""
-    root = module_ctx.size - 1
+def test_repeated_rooted_and_exchanging_collectives_across_contexts(module_ctx, length):
+    """Compiled broadcasts, all-gathers, all-to-alls, gathers and reduces on their held lanes, as the
+    all-reduce's: in nested contexts, after they close, and met by a peer's mismatch (another root, another
+    length), every result equals NumPy's."""
+    size, root = module_ctx.size, module_ctx.size - 1
     spread = jax.jit(lambda x: mtj.broadcast(x, root))
     gathered = jax.jit(mtj.all_gather)
+    exchanged = jax.jit(lambda x: mtj.all_to_all(x.reshape(size, -1)))
+    at_root = jax.jit(lambda x: mtj.gather(x, root))
+    summed = jax.jit(lambda x: mtj.reduce(x, "sum", root))
 
     def check(ctx, turns, salt, spread=spread, gathered=gathered, root=root):
         for turn in range(turns):
-            inputs = [rank_input(seed_of("jit-data", length, salt, turn), r, (length,), np.float32)
+            inputs = [rank_input(seed_of("jit-data", length, salt, turn), r, (length * size,), np.int32)
                       for r in range(ctx.size)]
-            mine = jnp.asarray(inputs[ctx.rank])
-            if gathered is not None:
-                np.testing.assert_array_equal(np.asarray(gathered(mine)), np.stack(inputs))
+            mine, me = jnp.asarray(inputs[ctx.rank]), ctx.rank
             np.testing.assert_array_equal(np.asarray(spread(mine)), inputs[root])
+            if gathered is None:  # a context of another size than the one these were traced in
+                continue
+            np.testing.assert_array_equal(np.asarray(gathered(mine)), np.stack(inputs))
+            np.testing.assert_array_equal(np.asarray(exchanged(mine)),
+                                          np.stack([each.reshape(size, -1)[me] for each in inputs]))
+            np.testing.assert_array_equal(np.asarray(at_root(mine)), np.stack(inputs) if me == root else inputs[me])
+            np.testing.assert_array_equal(np.asarray(summed(mine)), np.sum(inputs, 0) if me == root else inputs[me])
 
     check(module_ctx, 3, "outer")
     with mt.DistributedContext.init() as inner:
@@ -298,9 +307,10 @@ def test_repeated_broadcasts_and_all_gathers_across_contexts(module_ctx, length)
             # traced, stays that of the module's context for arrays of this shape.
             check(alone, 2, "alone", jax.jit(mtj.broadcast), None, 0)
     check(module_ctx, 2, "outer after rank 0 alone")
-    other = length if module_ctx.rank == 0 else length + 1
-    with pytest.raises(jax.errors.JaxRuntimeError, match="CollectiveMismatchError"):
-        gathered(jnp.ones(other, jnp.float32)).block_until_ready()
+    other = length * size if module_ctx.rank == 0 else (length + 1) * size
+    for compiled in (gathered, exchanged, summed):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="CollectiveMismatchError"):
+            compiled(jnp.ones(other, jnp.int32)).block_until_ready()
     with pytest.raises(jax.errors.JaxRuntimeError, match="CollectiveMismatchError"):
         jax.jit(lambda x: mtj.broadcast(x, module_ctx.rank))(jnp.ones(length, jnp.float32)).block_until_ready()
     check(module_ctx, 2, "after the mismatches")

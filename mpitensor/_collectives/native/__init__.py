@@ -21,8 +21,8 @@ Two kinds of call have one, when their lane's plan allows it (`compiled_lane`):
 A third, `compiled_held_lane`, takes `all_reduce_held`'s repeated checked calls (groups of
 2-8 ranks, any size): when the check agrees within the spin, MPI's blocking all-reduce from
 the caller's input into the caller's buffer (or in place), the GIL released, in the same C call.
-`compiled_held_data_lane` does the same for `broadcast_held` and `all_gather_held` (`held.py`)
-with MPI's blocking broadcast and all-gather of bytes.
+`compiled_held_data_lane` does the same for the held broadcast, all-gather, all-to-all, gather
+and reduce (`held.py`) with MPI's blocking call.
 
 MEAN's division is compiled for float32 and float64; other MEAN lanes stay Python. A Python
 number, NumPy scalar or CPU torch tensor takes the compiled lane of the array
@@ -31,7 +31,7 @@ own kind (a `Convert` on the handle, which the compiled resolve settles as the P
 
 The C code calls MPI without MPI's headers (one build serves Open MPI, MPICH and their
 kin): it finds ``MPI_Iallreduce``, ``MPI_Iallgather``, ``MPI_Test``, ``MPI_Wait``, ``MPI_Allreduce``,
-``MPI_Allgather``, ``MPI_Bcast`` and ``MPI_Comm_rank`` in the
+``MPI_Allgather``, ``MPI_Bcast``, ``MPI_Alltoall``, ``MPI_Gather``, ``MPI_Reduce`` and ``MPI_Comm_rank`` in the
 library mpi4py loaded, reads handles out of mpi4py's objects through mpi4py's C API, and
 casts each call to the handle kind `_core.mpi.pointer_handles` reports. Where the module
 was not built (no compiler when installed), cannot bind, or ``MPITENSOR_NATIVE=0`` is set,
@@ -55,7 +55,16 @@ from ..._core.mpi import module as mpi_module
 from ..._core.tensor import TENSOR_FIELDS, Tensor
 from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, SPIN_PAUSES, STATES, Op
 from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried, reduce_carried_keys
-from ..._transport.mpi import SMALL_BYTES, held_all_gather, held_all_reduce, held_broadcast, in_place
+from ..._transport.mpi import (
+    SMALL_BYTES,
+    held_all_gather,
+    held_all_reduce,
+    held_all_to_all,
+    held_broadcast,
+    held_gather,
+    held_reduce,
+    in_place,
+)
 from ..common import HANDLE_FIELDS, CollectiveTensor, Convert, Later
 
 try:
@@ -325,16 +334,18 @@ def compiled_held_lane(ctx: Any, group: Any, op: Any, array: np.ndarray, plan: A
     )
 
 
-def compiled_held_data_lane(ctx: Any, group: Any, kind: str, array: np.ndarray, root: int, record: Any) -> Any:
-    """The compiled lane of `broadcast_held`'s or `all_gather_held`'s calls of one kind, or None.
+def compiled_held_data_lane(ctx: Any, group: Any, kind: str, array: np.ndarray, root: int, record: Any,
+                            plan: Any = None) -> Any:
+    """The compiled lane of one kind of held broadcast, all-gather, all-to-all, gather or reduce (`held.py`), or None.
 
     Args:
         ctx: the context.
         group: the calls' group.
-        kind: ``"broadcast"`` or ``"all_gather"``.
+        kind: the collective's name.
         array: an input of the kind (dtype and shape).
-        root: a broadcast's root, its index in the group (-1 for an all-gather).
+        root: a rooted call's root, its index in the group (-1 for the others).
         record: the check's record of these calls.
+        plan: a reduce's `ReducePlan` (MPI's own reduction: no codec, no division).
 
     Returns:
         A `_lanes.Lane` of kind ``HELD`` into another array, or None where there is none:
@@ -346,16 +357,25 @@ def compiled_held_data_lane(ctx: Any, group: Any, kind: str, array: np.ndarray, 
         return None
     done = Op(kind, group, array.nbytes, lambda: [], record=record)
     done.state = COMPLETE  # the op that calls completed at the call share: nothing is left to do
-    template = np.broadcast_to(np.empty((), array.dtype), array.shape)
-    broadcast = kind == "broadcast"
+    collective, post = _HELD_DATA[kind]
     return _lanes.Lane(
-        kind=_lanes.HELD, ctx=ctx, group=group, op_key=None, template=template, datatype=MPI.BYTE,
-        mpi_op=MPI.OP_NULL, divide=False, record=record, value=record.check_value(), per_rank=record.per_rank,
-        rows=0, spins=ctx.engine.check_spins(),
-        queued_post=(held_broadcast if broadcast else held_all_gather, group.comm, root if broadcast else None),
-        done_op=done, trace=None, keys=0, into=True,
-        collective=_lanes.BROADCAST if broadcast else _lanes.ALL_GATHER, root=root,
+        kind=_lanes.HELD, ctx=ctx, group=group, op_key=None,
+        template=np.broadcast_to(np.empty((), array.dtype), array.shape),
+        datatype=MPI.BYTE if plan is None else plan.datatype, mpi_op=MPI.OP_NULL if plan is None else plan.mpi_op,
+        divide=False, record=record, value=record.check_value(), per_rank=record.per_rank, rows=0,
+        spins=ctx.engine.check_spins(), queued_post=(post, group.comm, (root, plan) if plan is not None else root),
+        done_op=done, trace=None, keys=0, into=True, collective=getattr(_lanes, collective), root=root,
     )
+
+
+# Per held collective: its lane's `collective` code and the post of a call whose check is queued.
+_HELD_DATA = {
+    "broadcast": ("BROADCAST", held_broadcast),
+    "all_gather": ("ALL_GATHER", held_all_gather),
+    "all_to_all": ("ALL_TO_ALL", held_all_to_all),
+    "gather": ("GATHER", held_gather),
+    "reduce": ("REDUCE", held_reduce),
+}
 
 
 def _keys(plan: Any, dtype: np.dtype, checked: bool) -> int | None:

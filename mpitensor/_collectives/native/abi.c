@@ -25,6 +25,12 @@ typedef int (*allgather_ptr)(const void *, int, void *, void *, int, void *, voi
 typedef int (*allgather_int)(const void *, int, int, void *, int, int, int);
 typedef int (*bcast_ptr)(void *, int, void *, int, void *);
 typedef int (*bcast_int)(void *, int, int, int, int);
+typedef int (*alltoall_ptr)(const void *, int, void *, void *, int, void *, void *);
+typedef int (*alltoall_int)(const void *, int, int, void *, int, int, int);
+typedef int (*gather_ptr)(const void *, int, void *, void *, int, void *, int, void *);
+typedef int (*gather_int)(const void *, int, int, void *, int, int, int, int);
+typedef int (*reduce_ptr)(const void *, void *, int, void *, void *, int, void *);
+typedef int (*reduce_int)(const void *, void *, int, int, int, int, int);
 typedef int (*comm_rank_ptr)(void *, int *);
 typedef int (*comm_rank_int)(int, int *);
 typedef int (*test_fn)(void *, int *, void *);
@@ -35,7 +41,7 @@ typedef void *(*handle_get)(PyObject *);
 
 static struct {
     int pointer_handles;
-    void *iallreduce, *iallgather, *allreduce, *allgather, *bcast, *comm_rank;
+    void *iallreduce, *iallgather, *allreduce, *allgather, *bcast, *alltoall, *gather, *reduce, *comm_rank;
     test_fn test;
     wait_fn wait;
     void *request_new;
@@ -56,9 +62,12 @@ static int find_in(void *library, const char *why_prefix, char *why, size_t why_
     mpi.allreduce = dlsym(library, "MPI_Allreduce");
     mpi.allgather = dlsym(library, "MPI_Allgather");
     mpi.bcast = dlsym(library, "MPI_Bcast");
+    mpi.alltoall = dlsym(library, "MPI_Alltoall");
+    mpi.gather = dlsym(library, "MPI_Gather");
+    mpi.reduce = dlsym(library, "MPI_Reduce");
     mpi.comm_rank = dlsym(library, "MPI_Comm_rank");
     if (mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait && mpi.allreduce && mpi.allgather && mpi.bcast &&
-        mpi.comm_rank)
+        mpi.alltoall && mpi.gather && mpi.reduce && mpi.comm_rank)
         return 1;
     snprintf(why, why_size, "%s", why_prefix);
     return 0;
@@ -89,7 +98,8 @@ static int find_functions(char *why, size_t why_size) {
     dl_iterate_phdr(find_library, &search);
     if (search.found != NULL && find_in(search.found, "", why, why_size)) return 0;
     snprintf(why, why_size, "no loaded library exports MPI_Iallreduce, MPI_Iallgather, MPI_Test, MPI_Wait, "
-                            "MPI_Allreduce, MPI_Allgather, MPI_Bcast and MPI_Comm_rank");
+                            "MPI_Allreduce, MPI_Allgather, MPI_Bcast, MPI_Alltoall, MPI_Gather, MPI_Reduce and "
+                            "MPI_Comm_rank");
     return -1;
 }
 
@@ -216,6 +226,25 @@ int mpi_allgather_bytes(const void *send, void *recv, int count, mpi_handle comm
 int mpi_bcast_bytes(void *buffer, int count, int root, mpi_handle comm) {
     if (mpi.pointer_handles) return ((bcast_ptr)mpi.bcast)(buffer, count, (void *)mpi.byte, root, (void *)comm);
     return ((bcast_int)mpi.bcast)(buffer, count, (int)mpi.byte, root, (int)comm);
+}
+
+int mpi_alltoall_bytes(const void *send, void *recv, int count, mpi_handle comm) {
+    if (mpi.pointer_handles)
+        return ((alltoall_ptr)mpi.alltoall)(send, count, (void *)mpi.byte, recv, count, (void *)mpi.byte, (void *)comm);
+    return ((alltoall_int)mpi.alltoall)(send, count, (int)mpi.byte, recv, count, (int)mpi.byte, (int)comm);
+}
+
+int mpi_gather_bytes(const void *send, void *recv, int count, int root, mpi_handle comm) {
+    if (mpi.pointer_handles)
+        return ((gather_ptr)mpi.gather)(send, count, (void *)mpi.byte, recv, count, (void *)mpi.byte, root,
+                                         (void *)comm);
+    return ((gather_int)mpi.gather)(send, count, (int)mpi.byte, recv, count, (int)mpi.byte, root, (int)comm);
+}
+
+int mpi_reduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, int root, mpi_handle comm) {
+    if (mpi.pointer_handles)
+        return ((reduce_ptr)mpi.reduce)(send, recv, count, (void *)datatype, (void *)op, root, (void *)comm);
+    return ((reduce_int)mpi.reduce)(send, recv, count, (int)datatype, (int)op, root, (int)comm);
 }
 
 int mpi_comm_rank(mpi_handle comm, int *rank) {

@@ -17,9 +17,9 @@
  *   result buffer (one array, or two); when every row agrees within the spin, MPI's
  *   blocking all-reduce reduces one into the other, the GIL released, as the `Held`
  *   transport does once the engine has seen the check agree, and the call completes at once.
- *   A HELD lane of a broadcast or an all-gather (`held.py`: `broadcast_held`,
- *   `all_gather_held`) does the same with MPI's blocking broadcast or all-gather of bytes
- *   from the caller's input into its result buffer.
+ *   A HELD lane of a broadcast, all-gather, all-to-all, gather or reduce (`held.py`) does the
+ *   same with MPI's blocking call (of bytes, but for the reduce) from the caller's input into
+ *   its result buffer; off the root, a gather's and a reduce's result is the input.
  *
  * For MAX/MIN of float32 and float64 (`keys`), MPI reduces OrderedKeys, as on the general
  * path: a `COPY` lane's copy is made of the input's keys, and its op's finish decodes them;
@@ -46,7 +46,8 @@
 
 enum { LANE_COPY = 0, LANE_CHECK = 1, LANE_HELD = 2 };
 enum { KEYS_NONE = 0, KEYS_MAX = 1, KEYS_MIN = 2 };
-enum { OF_ALL_REDUCE = 0, OF_BROADCAST = 1, OF_ALL_GATHER = 2 }; /* the collective a lane's calls are */
+/* The collective a lane's calls are. */
+enum { OF_ALL_REDUCE = 0, OF_BROADCAST = 1, OF_ALL_GATHER = 2, OF_ALL_TO_ALL = 3, OF_GATHER = 4, OF_REDUCE = 5 };
 
 typedef struct {
     PyObject_HEAD
@@ -62,7 +63,7 @@ typedef struct {
     int size, spins, divide, rows_kind, type_num;
     int keys; /* MPI reduces MAX/MIN keys of floats: 0 none, else KEYS_MAX or KEYS_MIN */
     int into; /* HELD: the result lands in the caller's other array (1), or in the input (0) */
-    int collective, root, me; /* OF_*; a broadcast's root and this rank, in the group's communicator */
+    int collective, root, me; /* OF_*; a rooted call's root and this rank, in the group's communicator */
     PyObject *name;           /* the collective's name: its ops', and MPI's errors' */
     unsigned long owner;
     long long value, per_rank;
@@ -478,14 +479,30 @@ static int post_data(Lane *lane, Call *call, PyObject *posted) {
     return PyList_Append(posted, call->op) < 0 ? -1 : 1;
 }
 
-/* The HELD call's blocking MPI call from `source` (NULL: in place) into `out`; call without the GIL. */
+/* The HELD call's blocking MPI call from `source` (NULL: in place) into `out`; call without
+ * the GIL. Buffers never overlap where there are two (start_held declines those). */
 static int held_mpi(Lane *lane, const void *source, void *out) {
-    if (lane->collective == OF_ALL_GATHER) return mpi_allgather_bytes(source, out, (int)lane->nbytes, lane->comm);
-    if (lane->collective == OF_BROADCAST) {
-        if (lane->me == lane->root) memcpy(out, source, (size_t)lane->nbytes); /* start_held: no overlap */
+    int at_root = lane->me == lane->root, code;
+    switch (lane->collective) {
+    case OF_ALL_GATHER:
+        return mpi_allgather_bytes(source, out, (int)lane->nbytes, lane->comm);
+    case OF_ALL_TO_ALL:
+        return mpi_alltoall_bytes(source, out, (int)(lane->nbytes / lane->size), lane->comm);
+    case OF_BROADCAST:
+        if (at_root) memcpy(out, source, (size_t)lane->nbytes);
         return mpi_bcast_bytes(out, (int)lane->nbytes, lane->root, lane->comm);
+    case OF_GATHER:
+        code = mpi_gather_bytes(source, at_root ? out : NULL, (int)lane->nbytes, lane->root, lane->comm);
+        break;
+    case OF_REDUCE:
+        code = mpi_reduce(source, at_root ? out : NULL, (int)lane->count, lane->datatype, lane->mpi_op, lane->root,
+                          lane->comm);
+        break;
+    default:
+        return mpi_allreduce(source, out, (int)lane->count, lane->datatype, lane->mpi_op, lane->comm);
     }
-    return mpi_allreduce(source, out, (int)lane->count, lane->datatype, lane->mpi_op, lane->comm);
+    if (code == 0 && !at_root) memcpy(out, source, (size_t)lane->nbytes);
+    return code;
 }
 
 /* A HELD call whose check agreed: MPI's blocking all-reduce (broadcast, all-gather) from the
@@ -696,7 +713,7 @@ static int take_trace(Lane *lane, PyObject *trace) {
 
 /* The lane's collective's name (its ops', as `Op` names them); 0, or -1 with an error set. */
 static int lane_name(Lane *lane) {
-    static const char *names_of[] = {"all_reduce", "broadcast", "all_gather"};
+    static const char *names_of[] = {"all_reduce", "broadcast", "all_gather", "all_to_all", "gather", "reduce"};
     lane->name = PyUnicode_InternFromString(names_of[lane->collective]);
     return lane->name == NULL ? -1 : 0;
 }
@@ -738,9 +755,10 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
         return -1;
     }
     if (lane->collective != OF_ALL_REDUCE &&
-        (lane->collective < 0 || lane->collective > OF_ALL_GATHER || lane->kind != LANE_HELD || !lane->into || divide || lane->nbytes > INT_MAX)) {
-        PyErr_SetString(PyExc_ValueError, "a broadcast's or all-gather's lane is HELD, into another array, of at most "
-                                          "2**31 - 1 bytes, without MEAN");
+        (lane->collective < 0 || lane->collective > OF_REDUCE || lane->kind != LANE_HELD || !lane->into ||
+         divide || lane->nbytes > INT_MAX)) {
+        PyErr_SetString(PyExc_ValueError, "a lane of another collective than the all-reduce is HELD, into another "
+                                          "array, of at most 2**31 - 1 bytes, without MEAN");
         return -1;
     }
     if (lane->keys != KEYS_NONE && (lane->keys > KEYS_MIN || divide || !keys_supported(lane->type_num))) {
@@ -776,8 +794,13 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "a checked lane needs a group of 2 to 8 ranks, whose checks gather rows");
         ok = 0;
     }
-    if (ok && lane->collective == OF_BROADCAST && (lane->root < 0 || lane->root >= lane->size)) {
-        PyErr_SetString(PyExc_ValueError, "a broadcast's lane has a root in its group");
+    int rooted = lane->collective == OF_BROADCAST || lane->collective == OF_GATHER || lane->collective == OF_REDUCE;
+    if (ok && rooted && (lane->root < 0 || lane->root >= lane->size)) {
+        PyErr_SetString(PyExc_ValueError, "a rooted call's lane has a root in its group");
+        ok = 0;
+    }
+    if (ok && lane->collective == OF_ALL_TO_ALL && lane->nbytes % lane->size != 0) {
+        PyErr_SetString(PyExc_ValueError, "an all-to-all's lane has an input of one equal block per rank");
         ok = 0;
     }
     if (ok && mpi_comm_rank(lane->comm, &lane->me) != 0) {
@@ -868,9 +891,11 @@ static int overlap(PyObject *a, PyObject *b) {
 }
 
 /* Whether `out` is a result buffer of this lane's calls: of its dtype and shape, or for an
- * all-gather an exact C-contiguous ndarray of its dtype holding every rank's input. */
+ * all-gather (a gather, at the root) an exact C-contiguous ndarray of its dtype holding every
+ * rank's input. */
 static int out_of_lane(Lane *lane, PyObject *out) {
-    if (lane->collective != OF_ALL_GATHER) return of_lane(lane, out);
+    if (lane->collective != OF_ALL_GATHER && (lane->collective != OF_GATHER || lane->me != lane->root))
+        return of_lane(lane, out);
     if (!PyArray_CheckExact(out)) return 0;
     PyArrayObject *a = (PyArrayObject *)out;
     return PyArray_IS_C_CONTIGUOUS(a) && PyArray_DESCR(a) == lane->descr && PyArray_NBYTES(a) == lane->nbytes * lane->size;
@@ -993,9 +1018,11 @@ PyDoc_STRVAR(Lane_doc,
 "partial(start, comm, input, out, plan) (`held_all_reduce`). done_op: the completed op\n"
 "that carried calls completed at the call share. trace: (ring, kind code, group key) where the\n"
 "context traces (each call is recorded in that compiled ring), else None. collective:\n"
-"ALL_REDUCE, or for a HELD lane into another array BROADCAST (MPI's blocking broadcast of the\n"
-"input's bytes from `root`, the root's index in the group) or ALL_GATHER (MPI's blocking\n"
-"all-gather of the input's bytes into a result buffer of every rank's); root: -1 otherwise.");
+"ALL_REDUCE, or for a HELD lane into another array MPI's blocking call of it: BROADCAST,\n"
+"ALL_GATHER (into a result buffer of every rank's input), ALL_TO_ALL, GATHER (every rank's\n"
+"input at the root, the input elsewhere) of the input's bytes, or REDUCE (`datatype` and\n"
+"`mpi_op`, the result at the root, the input elsewhere). root: a rooted call's root, its\n"
+"index in the group; -1 otherwise.");
 
 PyTypeObject LaneType = {
     PyVarObject_HEAD_INIT(NULL, 0)

@@ -145,7 +145,9 @@ PyMODINIT_FUNC PyInit__lanes(void) {
         PyModule_AddObjectRef(module, "Entry", (PyObject *)&EntryType) < 0 ||
         PyModule_AddIntConstant(module, "COPY", 0) < 0 || PyModule_AddIntConstant(module, "CHECK", 1) < 0 ||
         PyModule_AddIntConstant(module, "HELD", 2) < 0 || PyModule_AddIntConstant(module, "ALL_REDUCE", 0) < 0 ||
-        PyModule_AddIntConstant(module, "BROADCAST", 1) < 0 || PyModule_AddIntConstant(module, "ALL_GATHER", 2) < 0) {
+        PyModule_AddIntConstant(module, "BROADCAST", 1) < 0 || PyModule_AddIntConstant(module, "ALL_GATHER", 2) < 0 ||
+        PyModule_AddIntConstant(module, "ALL_TO_ALL", 3) < 0 || PyModule_AddIntConstant(module, "GATHER", 4) < 0 ||
+        PyModule_AddIntConstant(module, "REDUCE", 5) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -43,9 +43,13 @@ int mpi_iallreduce_in_place(void *buffer, int count, mpi_handle datatype, mpi_ha
 int mpi_iallgather_bytes(const void *send, void *recv, int count, mpi_handle comm, void *request);
 /* Blocking MPI_Allreduce from `send` (NULL: MPI_IN_PLACE) into `recv`; call without the GIL. */
 int mpi_allreduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm);
-/* Blocking MPI_Allgather and MPI_Bcast of `count` bytes per rank; call without the GIL. */
+/* Blocking MPI_Allgather, MPI_Bcast, MPI_Alltoall and MPI_Gather of `count` bytes per rank,
+ * and MPI_Reduce (`recv` NULL off the root); call without the GIL. */
 int mpi_allgather_bytes(const void *send, void *recv, int count, mpi_handle comm);
 int mpi_bcast_bytes(void *buffer, int count, int root, mpi_handle comm);
+int mpi_alltoall_bytes(const void *send, void *recv, int count, mpi_handle comm);
+int mpi_gather_bytes(const void *send, void *recv, int count, int root, mpi_handle comm);
+int mpi_reduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, int root, mpi_handle comm);
 int mpi_comm_rank(mpi_handle comm, int *rank);
 int mpi_test(void *request, int *flag);
 int mpi_wait(void *request);

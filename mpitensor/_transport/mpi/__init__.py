@@ -9,8 +9,8 @@
   scatter).
 - `symmetric`: every rank sends and receives alike (all-gather, all-to-all, reduce-scatter,
   scan, barrier).
-- `held`: the blocking broadcast and all-gather of buffers their caller holds, posted once
-  the check has agreed.
+- `held`: the blocking broadcast, all-gather, all-to-all, gather and reduce of buffers
+  their caller holds, posted once the check has agreed.
 - `p2p`: point-to-point messages.
 - `side`: a communicator of its own for a second thread's collectives (the torch backend's
   communication hooks).
@@ -36,7 +36,7 @@ from .all_reduce import (
     in_place,
     out_of_place,
 )
-from .held import held_all_gather, held_broadcast
+from .held import held_all_gather, held_all_to_all, held_broadcast, held_gather, held_reduce
 from .p2p import recv, send
 from .rooted import broadcast, broadcast_each, gather, gatherv, reduce, scatter, scatterv
 from .symmetric import (
@@ -57,7 +57,7 @@ __all__ = [
     "SMALL_BYTES", "Held", "HeldUnchecked", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather",
     "all_gather_each", "all_gatherv", "all_reduce_buckets", "all_reduce_buffers", "all_to_all", "all_to_allv",
     "barrier", "broadcast", "broadcast_each", "exscan", "gather", "gatherv", "held_all_gather", "held_all_reduce",
-    "held_broadcast", "in_place",
+    "held_all_to_all", "held_broadcast", "held_gather", "held_reduce", "in_place",
     "out_of_place", "recv", "reduce", "reduce_scatter", "reduce_scatter_block", "reduce_scatter_block_each", "scan",
     "scatter", "scatterv", "send",
 ]

@@ -1,9 +1,10 @@
-"""MPI's blocking broadcast and all-gather of buffers their caller holds (`_collectives/held.py`).
+"""MPI's blocking collectives on buffers their caller holds (`_collectives/held.py`).
 
 Posted by the engine only once the call's consistency check has agreed, so every peer is
 at the same call and blocking waits for nobody who is not coming (as `all_reduce.Held`).
-The bytes move as ``MPI_BYTE`` (whatever the dtype: nothing is reduced), the count the
-compiled held lane passes for the same calls.
+What is not reduced moves as ``MPI_BYTE`` (whatever the dtype), the counts the compiled
+held lane passes for the same calls. Each takes ``(comm, source, out, spec)``, as the lane's
+queued post calls it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from ..._core.mpi import MPI
 
-__all__ = ["held_all_gather", "held_broadcast"]
+__all__ = ["held_all_gather", "held_all_to_all", "held_broadcast", "held_gather", "held_reduce"]
 
 
 def held_broadcast(comm: Any, source: np.ndarray, out: np.ndarray, root: int) -> list[Any]:
@@ -48,4 +49,61 @@ def held_all_gather(comm: Any, source: np.ndarray, out: np.ndarray, plan: Any = 
         No request: the all-gather is done.
     """
     comm.Allgather([source, source.nbytes, MPI.BYTE], [out, source.nbytes, MPI.BYTE])
+    return []
+
+
+def held_all_to_all(comm: Any, source: np.ndarray, out: np.ndarray, spec: Any = None) -> list[Any]:
+    """Blocking ``MPI_Alltoall``: block k of every rank's `source` into block (its rank) of rank k's `out`.
+
+    Args:
+        comm: the group's communicator.
+        source: this rank's input, one equal block per rank.
+        out: the result buffer, of `source`'s size; not overlapping it.
+        spec: unused.
+
+    Returns:
+        No request: the exchange is done.
+    """
+    block = source.nbytes // comm.Get_size()
+    comm.Alltoall([source, block, MPI.BYTE], [out, block, MPI.BYTE])
+    return []
+
+
+def held_gather(comm: Any, source: np.ndarray, out: np.ndarray, root: int) -> list[Any]:
+    """Blocking ``MPI_Gather`` of every rank's `source` into the root's `out` in rank order; `source` elsewhere.
+
+    Args:
+        comm: the group's communicator.
+        source: this rank's input.
+        out: on the root `comm`'s size times `source`'s size, elsewhere `source`'s; not overlapping it.
+        root: the root's rank in `comm`.
+
+    Returns:
+        No request: the gather is done.
+    """
+    at_root = comm.Get_rank() == root
+    comm.Gather([source, source.nbytes, MPI.BYTE], [out, source.nbytes, MPI.BYTE] if at_root else None, root=root)
+    if not at_root:
+        np.copyto(out, source)
+    return []
+
+
+def held_reduce(comm: Any, source: np.ndarray, out: np.ndarray, spec: tuple[int, Any]) -> list[Any]:
+    """Blocking ``MPI_Reduce`` of every rank's `source` into the root's `out`; elsewhere `out` gets `source`.
+
+    Args:
+        comm: the group's communicator.
+        source: this rank's input.
+        out: the result buffer, of `source`'s shape and dtype; not overlapping it.
+        spec: the root's rank in `comm` and the `ReducePlan` (its datatype and op; no codec,
+            no division).
+
+    Returns:
+        No request: the reduction is done.
+    """
+    root, plan = spec
+    at_root = comm.Get_rank() == root
+    comm.Reduce([source, plan.datatype], [out, plan.datatype] if at_root else None, op=plan.mpi_op, root=root)
+    if not at_root:
+        np.copyto(out, source)
     return []
