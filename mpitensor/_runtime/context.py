@@ -344,9 +344,11 @@ class DistributedContext:
         return True
 
     def _leave_on_exception(self) -> None:
-        """Close without waiting on peers: an exception is propagating."""
+        """Close without waiting on peers to close too (an exception is propagating), telling them this rank left."""
         if self.closed:
             return
+        if self._size > 1 and self._broken is None and not self.engine.lock_held_here():
+            self._tell_peers_it_left()
         self.closed = True
         self.usable = False
         self._stop_progress()
@@ -361,6 +363,22 @@ class DistributedContext:
             self._free()
         _state.pop(self)
         _failfast.note_left_by_exception()
+
+    def _tell_peers_it_left(self) -> None:
+        """Post this rank's close check, waiting for it only up to the check's grace.
+
+        A program may catch the exception outside the ``with`` block and go on (a test
+        runner does): its peers, in a collective of this context or closing it, would
+        otherwise wait for this rank forever. They pair the close check with their call and
+        raise `CollectiveMismatchError` naming this rank, or close with it. Peers later than
+        the grace complete the exchange at this rank's next MPI call (the engine is kept).
+        """
+        record = Record(CLOSE_KIND, None, None, None, -1, self.full_group.members, per_rank=-(self._rank + 1))
+        try:
+            self.engine.see_stand_in_through(self.engine.post_stand_in(CLOSE_KIND, self.full_group, record),
+                                             self.config.check_grace)
+        except Exception:  # already leaving on an exception: that one is what the program sees
+            return
 
     def abort(self, errorcode: int = 1) -> None:
         """End the whole job now (``MPI_Abort``): the way out of a broken context.

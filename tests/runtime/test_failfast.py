@@ -52,6 +52,37 @@ def test_an_exception_outside_a_with_block_aborts_too(tmp_path):
     assert "[rank 0] KeyError: 'missing'" in result.stderr
 
 
+def test_an_exception_caught_outside_the_block_tells_the_peers(tmp_path):
+    """A program (a test runner) that catches the exception and goes on: its peers, in the context's
+    next collective or closing it, learn that it left instead of waiting for it forever."""
+    result = run_job(
+        """
+        import numpy as np
+        import mpitensor as mt
+        mt.defer_finalize()  # as under pytest: rank 2's close is not the end of MPI
+        try:
+            with mt.DistributedContext.init() as ctx:
+                mt.all_reduce(np.ones(2)).resolve()
+                if ctx.rank == 1:
+                    raise AssertionError("a test failed on rank 1")
+                if ctx.rank == 0:
+                    mt.all_reduce(np.ones(2)).resolve()  # rank 2 closes instead
+        except Exception as exc:
+            report("left", type(exc).__name__, "a departed rank" if "closed the context" in str(exc) else str(exc))
+        with mt.DistributedContext.init() as ctx:
+            report("then", mt.all_reduce(np.ones(1)).resolve().item())
+        """,
+        3,
+        timeout=60,
+        tmp_path=tmp_path,
+    )
+    assert result.returncode == 0, result.output
+    assert result.seconds < 20, f"took {result.seconds:.1f} s"
+    assert sorted(result.reported("left")) == ["left AssertionError a test failed on rank 1",
+                                               "left CollectiveMismatchError a departed rank"], result.output
+    assert result.reported("then") == ["then 3.0"] * 3
+
+
 def test_a_rank_killed_by_a_signal_ends_the_job(tmp_path):
     result = run_job(
         """
