@@ -505,9 +505,9 @@ static int held_mpi(Lane *lane, const void *source, void *out) {
     return code;
 }
 
-/* A HELD call whose check agreed: MPI's blocking all-reduce (broadcast, all-gather) from the
- * caller's input into its result buffer (in place where they are one), the GIL released,
- * then MEAN's division; the handle then shares the lane's done op. 1 done; 0 MPI failed, and
+/* A HELD call whose check agreed: MPI's blocking all-reduce (or the lane's other collective,
+ * `held_mpi`) from the caller's input into its result buffer (in place where they are one),
+ * the GIL released, then MEAN's division; the handle then shares the lane's done op. 1 done; 0 MPI failed, and
  * its error is the op's (resolve() raises it, as the engine's `_post_data` leaves it); -1 error. */
 static int held_reduce(Lane *lane, Call *call) {
     void *out = PyArray_DATA((PyArrayObject *)call->out);
@@ -898,7 +898,8 @@ static int out_of_lane(Lane *lane, PyObject *out) {
         return of_lane(lane, out);
     if (!PyArray_CheckExact(out)) return 0;
     PyArrayObject *a = (PyArrayObject *)out;
-    return PyArray_IS_C_CONTIGUOUS(a) && PyArray_DESCR(a) == lane->descr && PyArray_NBYTES(a) == lane->nbytes * lane->size;
+    return PyArray_IS_C_CONTIGUOUS(a) && PyArray_DESCR(a) == lane->descr &&
+           PyArray_NBYTES(a) == lane->nbytes * lane->size;
 }
 
 PyDoc_STRVAR(Lane_start_held_doc,
@@ -1006,7 +1007,7 @@ PyDoc_STRVAR(Lane_doc,
 "Lane(*, kind, ctx, group, op_key, template, datatype, mpi_op, divide, record, value, per_rank, rows,\n"
 "     spins, queued_post, done_op, trace, keys, into, collective, root)\n--\n\n"
 "The compiled lane of one kind of all-reduce (see native/__init__.py's `compiled_lane`), or of\n"
-"a held broadcast or all-gather (`compiled_held_data_lane`).\n\n"
+"a held broadcast, all-gather, all-to-all, gather or reduce (`compiled_held_data_lane`).\n\n"
 "kind: COPY (MPI in place on a copy, after the check where there is a record), CHECK (the\n"
 "input carried in the check) or HELD (`start_held`: MPI's blocking all-reduce from the caller's\n"
 "input into its buffer, `into`, or in place, once the check agreed). template: an array of the kind's dtype and shape. datatype,\n"
@@ -1015,7 +1016,8 @@ PyDoc_STRVAR(Lane_doc,
 "reduces carried rows (`rows_kind`). spins: tests of a check before it is queued.\n"
 "queued_post: (start, comm, plan), the op's post when its check is queued being\n"
 "partial(start, comm, out, [payload,] plan) (`reduce_carried` or `in_place`), or for HELD\n"
-"partial(start, comm, input, out, plan) (`held_all_reduce`). done_op: the completed op\n"
+"partial(start, comm, input, out, plan) (`held_all_reduce`, or the other collectives'\n"
+"`_transport.mpi.held` function, `plan` then their root or (root, plan)). done_op: the completed op\n"
 "that carried calls completed at the call share. trace: (ring, kind code, group key) where the\n"
 "context traces (each call is recorded in that compiled ring), else None. collective:\n"
 "ALL_REDUCE, or for a HELD lane into another array MPI's blocking call of it: BROADCAST,\n"
