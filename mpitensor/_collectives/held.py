@@ -37,8 +37,8 @@ from .native import compiled_held_data_lane
 from .options import make_record, output_tensor
 
 __all__ = [
-    "HELD_DATA_LANES", "all_gather_held", "all_to_all_held", "broadcast_held", "data_lane", "gather_held",
-    "reduce_held", "reducible",
+    "HELD_DATA_LANES", "HELD_KINDS", "all_gather_held", "all_to_all_held", "broadcast_held", "data_lane",
+    "gather_held", "held_call", "reduce_held", "reducible",
 ]
 
 # The check's option that tells these calls from the general collectives'.
@@ -107,6 +107,8 @@ _KINDS = {
     "gather": _Kind(True, lambda size, at_root: size if at_root else 1, mpi.held_gather, _copy_then(_gather_posted)),
     "reduce": _Kind(True, lambda size, at_root: 1, mpi.held_reduce, _copy_then(_reduce_posted)),
 }
+# The collectives that have a held call.
+HELD_KINDS = tuple(_KINDS)
 
 
 def broadcast_held(array: np.ndarray, out: np.ndarray, root: int = 0) -> CollectiveTensor:
@@ -130,7 +132,7 @@ def broadcast_held(array: np.ndarray, out: np.ndarray, root: int = 0) -> Collect
             context (on every rank).
         As `broadcast` otherwise.
     """
-    return _call("broadcast", array, out, root, None)
+    return held_call("broadcast", array, out, root, None)
 
 
 def all_gather_held(array: np.ndarray, out: np.ndarray) -> CollectiveTensor:
@@ -149,7 +151,7 @@ def all_gather_held(array: np.ndarray, out: np.ndarray) -> CollectiveTensor:
         ValueError: not contiguous, `out` not writable, of another dtype or size, or overlapping.
         As `all_gather` otherwise.
     """
-    return _call("all_gather", array, out, -1, None)
+    return held_call("all_gather", array, out, -1, None)
 
 
 def all_to_all_held(array: np.ndarray, out: np.ndarray) -> CollectiveTensor:
@@ -165,7 +167,7 @@ def all_to_all_held(array: np.ndarray, out: np.ndarray) -> CollectiveTensor:
     Raises:
         TypeError, ValueError: as `all_gather_held`, or an input that does not cut into blocks.
     """
-    return _call("all_to_all", array, out, -1, None)
+    return held_call("all_to_all", array, out, -1, None)
 
 
 def gather_held(array: np.ndarray, out: np.ndarray, root: int = 0) -> CollectiveTensor:
@@ -183,7 +185,7 @@ def gather_held(array: np.ndarray, out: np.ndarray, root: int = 0) -> Collective
     Raises:
         TypeError, ValueError: as `broadcast_held`.
     """
-    return _call("gather", array, out, root, None)
+    return held_call("gather", array, out, root, None)
 
 
 def reduce_held(array: np.ndarray, out: np.ndarray, op: ReduceOperation | str, root: int = 0) -> CollectiveTensor:
@@ -202,14 +204,16 @@ def reduce_held(array: np.ndarray, out: np.ndarray, op: ReduceOperation | str, r
     Raises:
         ValueError: a reduction `reducible` refuses; as `broadcast_held` otherwise.
     """
-    return _call("reduce", array, out, root, op)
+    return held_call("reduce", array, out, root, op)
 
 
 def reducible(op: Any, dtype: np.dtype) -> bool:
     """Whether MPI's own reduction gives `op` of arrays of `dtype` (no encoding, no division, no other result dtype)."""
-    plan = reduce_plan(parse_op(op), np.dtype(dtype))
-    return (plan.codec is None and not plan.divide and np.dtype(dtype).kind != "b"
-            and plan.work_dtype == plan.out_dtype == np.dtype(dtype))
+    return _own_reduction(reduce_plan(parse_op(op), np.dtype(dtype)), np.dtype(dtype))
+
+
+def _own_reduction(plan: Any, dtype: np.dtype) -> bool:
+    return plan.codec is None and not plan.divide and dtype.kind != "b" and plan.work_dtype == plan.out_dtype == dtype
 
 
 def data_lane(ctx: DistributedContext, kind: str, array: np.ndarray, root: int = -1, op: Any = None) -> Any:
@@ -219,11 +223,31 @@ def data_lane(ctx: DistributedContext, kind: str, array: np.ndarray, root: int =
     call and decline what the general path must take.
     """
     lanes = ctx.full_group.extra.get(HELD_DATA_LANES)
-    return None if lanes is None else lanes.get((kind, array.dtype, array.shape, root, op))
+    return None if lanes is None else lanes.get(_lane_key(kind, array, root, op))
 
 
-def _call(kind: str, array: Any, out: Any, root: int, op: Any) -> CollectiveTensor:
-    """The call on its compiled lane (after the wait for compiled programs), else behind its entry."""
+def _lane_key(kind: str, array: np.ndarray, root: int, op: Any) -> tuple[Any, ...]:
+    return kind, array.dtype, array.shape, root, op
+
+
+def held_call(kind: str, array: Any, out: Any, root: int = -1, op: Any = None) -> CollectiveTensor:
+    """The held call of collective `kind` (one of `HELD_KINDS`): `broadcast_held`'s and the others'.
+
+    On its compiled lane (after the wait for compiled programs), else behind its entry.
+
+    Args:
+        kind: the collective's name.
+        array: the input, as the kind's function takes it.
+        out: the result buffer, as the kind's function takes it.
+        root: a rooted call's root (the others': -1).
+        op: a reduce's reduction (the others': None).
+
+    Returns:
+        A `CollectiveTensor` resolving to a Tensor over `out`.
+
+    Raises:
+        As the kind's function.
+    """
     if open_contexts and type(array) is np.ndarray:
         lane = data_lane(open_contexts[-1], kind, array, root, op)
         if lane is not None:
@@ -247,10 +271,10 @@ def _held(kind: str, array: np.ndarray, out: np.ndarray, root: int, op: Any,
     reduce_op = plan = None
     if kind == "reduce":
         reduce_op = parse_op(op)
-        if not reducible(reduce_op, array.dtype):
+        plan = reduce_plan(reduce_op, array.dtype)
+        if not _own_reduction(plan, array.dtype):
             raise ValueError(f"reduce_held: {reduce_op.name} of {array.dtype} is not MPI's own reduction (an "
                              "encoding, a division or another result dtype); use reduce")
-        plan = reduce_plan(reduce_op, array.dtype)
     record = check_record(ctx, group, make_record(_HELD, kind, reduce_op, array.dtype, array.shape, root_at,
                                                   group.members))
     blocking = record is not None or group.size == 1
@@ -266,7 +290,7 @@ def _held(kind: str, array: np.ndarray, out: np.ndarray, root: int, op: Any,
     handle = start(ctx, Op(kind, group, array.nbytes, post, lambda: result, record=record, keep=(array, out)), result)
     if record is not None and (not spec.rooted or root_at in group.members):
         index = group.members.index(root_at) if spec.rooted else -1
-        _keep_lane(ctx, (kind, array.dtype, array.shape, root, op), array, index, record, plan)
+        _keep_lane(ctx, _lane_key(kind, array, root, op), array, index, record, plan)
     return handle
 
 

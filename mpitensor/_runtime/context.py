@@ -335,13 +335,17 @@ class DistributedContext:
         Returns:
             Whether every rank closed together (False: some peer was in a collective).
         """
-        record = Record(CLOSE_KIND, None, None, None, -1, self.full_group.members, per_rank=-(self._rank + 1))
-        op = self.engine.post_stand_in(CLOSE_KIND, self.full_group, record)
+        op = self._post_goodbye()
         try:
             self.engine.wait(op, self.timeout)
         except CollectiveMismatchError:
             return False  # peers were in a collective: they have been told
         return True
+
+    def _post_goodbye(self) -> Any:
+        """Post this rank's close check on the whole context (a stand-in: it moves no data); its op."""
+        record = Record(CLOSE_KIND, None, None, None, -1, self.full_group.members, per_rank=-(self._rank + 1))
+        return self.engine.post_stand_in(CLOSE_KIND, self.full_group, record)
 
     def _leave_on_exception(self) -> None:
         """Close without waiting on peers to close too (an exception is propagating), telling them this rank left."""
@@ -373,10 +377,8 @@ class DistributedContext:
         raise `CollectiveMismatchError` naming this rank, or close with it. Peers later than
         the grace complete the exchange at this rank's next MPI call (the engine is kept).
         """
-        record = Record(CLOSE_KIND, None, None, None, -1, self.full_group.members, per_rank=-(self._rank + 1))
         try:
-            self.engine.see_stand_in_through(self.engine.post_stand_in(CLOSE_KIND, self.full_group, record),
-                                             self.config.check_grace)
+            self.engine.see_stand_in_through(self._post_goodbye(), self.config.check_grace)
         except Exception:  # already leaving on an exception: that one is what the program sees
             return
 

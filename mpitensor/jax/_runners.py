@@ -14,15 +14,7 @@ import numpy as np
 import mpitensor as mt
 
 from .._collectives.all_reduce import all_reduce_held, held_lane
-from .._collectives.held import (
-    all_gather_held,
-    all_to_all_held,
-    broadcast_held,
-    data_lane,
-    gather_held,
-    reduce_held,
-    reducible,
-)
+from .._collectives.held import HELD_KINDS, data_lane, held_call, reducible
 from .._collectives.native import find_lane, wait_at_call
 
 # A runner returns None, or for its site a fast path (ctx, run) (`_handler.run`).
@@ -44,7 +36,7 @@ def make(kind: str, aval_in: Any, aval_out: Any, params: dict[str, Any]) -> Runn
     if kind == "all_reduce":  # its result is of its input's shape and dtype
         make_all_reduce = _held_all_reduce if dtype_in.itemsize * int(np.prod(shape_in)) >= _HELD_FROM else _all_reduce
         return make_all_reduce(dtype_in, shape_in, params["op"], params["devices"])
-    if kind in _HELD_DATA and params["devices"] is None and (kind != "reduce" or reducible(params["op"], dtype_in)):
+    if kind in HELD_KINDS and params["devices"] is None and (kind != "reduce" or reducible(params["op"], dtype_in)):
         return _held_data(kind, (dtype_in, shape_in), (dtype_out, shape_out), params.get("root", -1), params.get("op"))
     start = _STARTS[kind]
 
@@ -97,13 +89,11 @@ def _held_data(kind: str, aval_in: tuple[np.dtype, tuple[int, ...]], aval_out: t
     (see `_held_all_reduce`). Through the general path, inside jax.jit on 2 Open MPI ranks,
     each call cost 30-85 us more than mpi4jax's (1.24-1.58x).
     """
-    held = _HELD_DATA[kind]
-
     def runner(inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, ...]) -> tuple[Any, Any] | None:
         source, out = _typed(inputs[0], *aval_in), _typed(results[0], *aval_out)
         previous = wait_at_call(True)  # see _all_reduce
         try:
-            held(source, out, root, op).resolve()
+            held_call(kind, source, out, root, op).resolve()
         finally:
             wait_at_call(previous)
         if source is not inputs[0] or out is not results[0]:  # bytes (bfloat16): no lane of views
@@ -212,15 +202,6 @@ def _sendrecv(source: np.ndarray, out: np.ndarray, params: dict[str, Any]) -> No
     mt.recv(source=params["source"], shape=out.shape, dtype=out.dtype, tag=params["tag"], out=out).resolve()
     sent.resolve()
 
-
-# The held calls of the collectives that have one, as (source, out, root, op).
-_HELD_DATA: dict[str, Callable[[np.ndarray, np.ndarray, int, Any], Any]] = {
-    "broadcast": lambda source, out, root, op: broadcast_held(source, out, root),
-    "all_gather": lambda source, out, root, op: all_gather_held(source, out),
-    "all_to_all": lambda source, out, root, op: all_to_all_held(source, out),
-    "gather": lambda source, out, root, op: gather_held(source, out, root),
-    "reduce": lambda source, out, root, op: reduce_held(source, out, op, root),
-}
 
 _STARTS = {
     "broadcast": _broadcast,
