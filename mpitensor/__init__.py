@@ -50,7 +50,7 @@ from ._core.errors import (
 from ._core.mpi import defer_finalize
 from ._core.tensor import Tensor, arange, as_tensor, empty, from_numpy, full, ones, tensor, zeros
 from ._runtime.context import DistributedContext, current_context
-from ._runtime.entry import collective_entry
+from ._runtime.entry import collective_call, collective_entry
 from ._runtime.tracing.exchange import set_gatherer as _set_gatherer
 from ._runtime.tracing.regions import trace_region
 from ._runtime.tracing.stragglers import TraceSummary
@@ -104,6 +104,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "collective_call",
     "current_context",
     "defer_finalize",
     "empty",

@@ -16,6 +16,7 @@ __all__ = [
     "MpiFinalizedError",
     "MpitensorError",
     "NoContextError",
+    "NotAMemberError",
     "TensorInFlightError",
     "ThreadMisuseError",
     "TracedArrayError",
@@ -85,4 +86,12 @@ class TracedArrayError(MpitensorError, TypeError):
     transformation there is none yet. Raised on the calling rank before anything is sent
     (its peers learn of it as of any bad argument); `mpitensor.jax` has the collectives
     that run inside transformations.
+    """
+
+
+class NotAMemberError(ValueError):
+    """A collective named a group that leaves this rank out (only its members call it).
+
+    A plain `ValueError` for the caller; mpitensor tells it apart because such a call takes
+    no turn in any group's sequence of checks.
     """

@@ -21,7 +21,7 @@ from .._core import mpi as _mpi
 from .._core import state as _state
 from .._core.config import DistributedConfig
 from .._core.device import Device, choose_device, local_rank_from_env
-from .._core.errors import CollectiveMismatchError, ContextBrokenError, ContextClosedError, DeviceError
+from .._core.errors import CollectiveMismatchError, ContextBrokenError, ContextClosedError, DeviceError, NotAMemberError
 from .._core.mpi import MPI
 from .._core.pool import HostPool
 from . import failfast as _failfast
@@ -541,7 +541,7 @@ class DistributedContext:
         if len(members) != len(ranks):
             raise ValueError(f"devices names a rank twice: {sorted(ranks)}")
         if self._rank not in members:
-            raise ValueError(
+            raise NotAMemberError(
                 f"this rank ({self._rank}) is not in the group {list(members)}: only the "
                 "members of a group call its collectives"
             )

@@ -26,13 +26,13 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .._core.errors import DeviceError, MpitensorError, ThreadMisuseError, TracedArrayError
+from .._core.errors import DeviceError, MpitensorError, NotAMemberError, ThreadMisuseError, TracedArrayError
 from .._core.mpi import MPI
 from .._core.state import open_contexts
 from .check import Record
 from .ordering import is_delegated, wait_for_compiled
 
-__all__ = ["collective_entry"]
+__all__ = ["collective_call", "collective_entry"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -55,32 +55,96 @@ def collective_entry(kind: str) -> Callable[[F], F]:
             if not open_contexts:
                 return function(*args, **kwargs)
             ctx = open_contexts[-1]
-            if threading.get_ident() != ctx.owner_thread:
-                if not is_delegated():
-                    raise _thread_error(kind, ctx)
-            else:
-                wait_for_compiled()
-            engine = ctx.engine
-            if engine.lock_held_here():
-                # A signal handler that interrupted this thread inside the engine: even a
-                # failed turn would post a check in the middle of the interrupted call.
-                raise engine.reentered(kind)
+            engine = _enter(ctx, kind)
             posted = engine.checks_posted
             try:
                 return function(*args, **kwargs)
-            except MPI.Exception as exc:
-                raise engine.mpi_failed(exc, None, kind) from exc
             except Exception as exc:
-                if engine.checks_posted == posted and _is_local(exc) and ctx.config.check:
-                    devices = kwargs["devices"] if "devices" in kwargs else (
-                        args[position] if len(args) > position else None
-                    )
-                    _take_failed_turn(ctx, kind, devices, exc)
+                devices = kwargs["devices"] if "devices" in kwargs else (
+                    args[position] if len(args) > position else None
+                )
+                _failed(ctx, kind, devices, posted, exc)
                 raise
 
         return entry  # type: ignore[return-value]
 
     return wrap
+
+
+class collective_call:  # noqa: N801 - used as a statement, like a function
+    """The door of one collective call made of several steps: its rules over everything inside.
+
+    What a public collective's own entry does, for code that validates or converts its
+    arguments before it calls mpitensor's collectives (a framework backend, a traced
+    program)::
+
+        with mt.collective_call("all_reduce", devices):
+            check_the_arguments()           # an error here still takes the call's turn
+            mt.all_reduce(array, devices=devices).resolve()
+
+    On entry: the one-thread rule. On an exception from inside, if no check of any group was
+    posted since the entry, this rank takes the call's *failed turn* on the group `devices`
+    names (with the consistency check on): its peers, which made the same call, raise
+    `CollectiveMismatchError` naming this rank and its error, and the next collective lines
+    up on every rank. A rank that is not a member of that group posts nothing (the members
+    do not wait for it). MPI's own errors leave as `ContextBrokenError`. Nested doors and
+    collectives compose: only the innermost failure takes the turn.
+
+    Args:
+        kind: the collective's name, for messages (``"all_reduce"``, ``"broadcast"``...).
+        devices: the group, as the collective's ``devices`` (None: every rank).
+
+    Raises:
+        ThreadMisuseError: entered from another thread than the one that opened the context.
+    """
+
+    __slots__ = ("ctx", "devices", "kind", "posted")
+
+    def __init__(self, kind: str, devices: Any = None) -> None:
+        self.kind = kind
+        self.devices = devices
+        self.ctx: Any = None
+        self.posted = 0
+
+    def __enter__(self) -> collective_call:
+        if open_contexts:
+            self.ctx = open_contexts[-1]
+            # The collectives inside wait for the compiled programs before them themselves.
+            self.posted = _enter(self.ctx, self.kind, wait=False).checks_posted
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, traceback: Any) -> bool:
+        if exc is not None and self.ctx is not None and isinstance(exc, Exception):
+            _failed(self.ctx, self.kind, self.devices, self.posted, exc)
+        return False
+
+
+def _enter(ctx: Any, kind: str, wait: bool = True) -> Any:
+    """The thread rule and (`wait`) the wait for compiled programs, on entering `kind`; the context's engine."""
+    if threading.get_ident() != ctx.owner_thread:
+        if not is_delegated():
+            raise _thread_error(kind, ctx)
+    elif wait:
+        wait_for_compiled()
+    engine = ctx.engine
+    if engine.lock_held_here():
+        # A signal handler that interrupted this thread inside the engine: even a
+        # failed turn would post a check in the middle of the interrupted call.
+        raise engine.reentered(kind)
+    return engine
+
+
+def _failed(ctx: Any, kind: str, devices: Any, posted: int, exc: Exception) -> None:
+    """What a call of `kind` on `devices` that raised `exc` owes its peers (`posted`: checks before it).
+
+    Raises:
+        ContextBrokenError: `exc` is MPI's own error (from `exc`).
+    """
+    engine = ctx.engine
+    if isinstance(exc, MPI.Exception):
+        raise engine.mpi_failed(exc, None, kind) from exc
+    if engine.checks_posted == posted and _is_local(exc) and ctx.config.check:
+        _take_failed_turn(ctx, kind, devices, exc)
 
 
 def _is_local(exc: BaseException) -> bool:
@@ -92,12 +156,16 @@ def _take_failed_turn(ctx: Any, kind: str, devices: Any, exc: BaseException) -> 
     """Post a check saying this rank's `kind` failed with `exc`, on the group it names.
 
     When `devices` itself is what was wrong, the turn is taken on the whole context,
-    where the peers most likely are.
+    where the peers most likely are. A rank that `devices` leaves out takes no turn: the
+    group's members neither wait for nor hear from it, and a turn anywhere else would pair
+    with another call.
     """
     if ctx.closed or ctx.broken:
         return
     try:
         group = ctx.group(devices, kind)
+    except NotAMemberError:
+        return
     except Exception as lookup_error:
         if not _is_local(lookup_error):
             return  # the group could not be created with the peers: they learnt of it there

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,7 @@ from .._core.config import parse_op
 from . import _handler, _primitives, _rules
 
 Devices = Sequence[int] | None
+F = TypeVar("F", bound=Callable[..., Any])
 
 _DIFFERENTIABLE = ("sum", "mean")
 
@@ -128,6 +130,26 @@ for _primitive in (all_gather_p, reduce_scatter_p, all_to_all_p):
     _rules.first_axis_batching(_primitive)
 
 
+def _door(kind: str) -> Callable[[F], F]:
+    """Run a collective's function (its tracing, under a transformation) inside its door (`mt.collective_call`).
+
+    An error raised while a rank traces or checks its call (a shape its group cannot cut, a
+    dtype the collective cannot move) takes that call's turn on its group: the peers, whose
+    compiled programs run the call, raise `CollectiveMismatchError` naming this rank,
+    instead of pairing with its next call.
+    """
+
+    def wrap(function: F) -> F:
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with mt.collective_call(kind, kwargs.get("devices")):
+                return function(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
 def _op(op: mt.ReduceOperation | str) -> str:
     # The name, not the enum member, is the primitive's parameter: JAX hashes and prints it.
     return parse_op(op).value
@@ -148,6 +170,7 @@ def _array(x: Any) -> Any:
     return jnp.asarray(x)
 
 
+@_door("all_reduce")
 def all_reduce(x: Any, op: mt.ReduceOperation | str = "sum", *, devices: Devices = None) -> Any:
     """All-reduce a JAX array: every rank gets the element-wise reduction of all ranks' `x`.
 
@@ -172,6 +195,7 @@ def all_reduce(x: Any, op: mt.ReduceOperation | str = "sum", *, devices: Devices
     return all_reduce_p.bind(_array(x), op=_op(op), devices=_devices(devices), adjoint=False)
 
 
+@_door("broadcast")
 def broadcast(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
     """Broadcast the root's `x` to every rank (every rank passes an array of its shape and dtype).
 
@@ -189,6 +213,7 @@ def broadcast(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
     return broadcast_p.bind(_array(x), root=_root(root), devices=_devices(devices))
 
 
+@_door("reduce")
 def reduce(x: Any, op: mt.ReduceOperation | str = "sum", root: Any = 0, *, devices: Devices = None) -> Any:
     """Reduce every rank's `x` to the root.
 
@@ -209,6 +234,7 @@ def reduce(x: Any, op: mt.ReduceOperation | str = "sum", root: Any = 0, *, devic
     return reduce_p.bind(_array(x), op=_op(op), root=_root(root), devices=_devices(devices))
 
 
+@_door("all_gather")
 def all_gather(x: Any, *, tiled: bool = False, devices: Devices = None) -> Any:
     """Gather every rank's `x` on every rank, in rank order.
 
@@ -229,6 +255,7 @@ def all_gather(x: Any, *, tiled: bool = False, devices: Devices = None) -> Any:
     return all_gather_p.bind(x if tiled else x[None], devices=_devices(devices))
 
 
+@_door("reduce_scatter")
 def reduce_scatter(x: Any, op: mt.ReduceOperation | str = "sum", *, devices: Devices = None) -> Any:
     """Reduce every rank's `x` element-wise and give rank k the k-th block of the first axis.
 
@@ -247,6 +274,7 @@ def reduce_scatter(x: Any, op: mt.ReduceOperation | str = "sum", *, devices: Dev
     return reduce_scatter_p.bind(_array(x), op=_op(op), devices=_devices(devices))
 
 
+@_door("all_to_all")
 def all_to_all(x: Any, *, devices: Devices = None) -> Any:
     """Send block k of `x`'s first axis to rank k; the result is the blocks received, in rank order.
 
@@ -264,6 +292,7 @@ def all_to_all(x: Any, *, devices: Devices = None) -> Any:
     return all_to_all_p.bind(_array(x), devices=_devices(devices))
 
 
+@_door("gather")
 def gather(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
     """Gather every rank's `x` on the root, stacked along a new first axis (as mpi4jax's).
 
@@ -282,6 +311,7 @@ def gather(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
     return gather_p.bind(_array(x), root=_root(root), devices=_devices(devices))
 
 
+@_door("scatter")
 def scatter(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
     """Give rank k row k of the root's `x` (as mpi4jax's).
 
@@ -301,6 +331,7 @@ def scatter(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
     return scatter_p.bind(_array(x), root=_root(root), devices=_devices(devices))
 
 
+@_door("scan")
 def scan(x: Any, op: mt.ReduceOperation | str = "sum", *, exclusive: bool = False, devices: Devices = None) -> Any:
     """Prefix reduction in rank order: rank k gets the reduction of ranks 0..k's `x`.
 
@@ -320,6 +351,7 @@ def scan(x: Any, op: mt.ReduceOperation | str = "sum", *, exclusive: bool = Fals
     return scan_p.bind(_array(x), op=_op(op), exclusive=bool(exclusive), devices=_devices(devices))
 
 
+@_door("barrier")
 def barrier(*, devices: Devices = None) -> None:
     """Wait until every rank of the group arrives; inside ``jax.jit`` it keeps its place in the program order.
 
