@@ -13,10 +13,12 @@ __all__ = [
     "ContextBrokenError",
     "ContextClosedError",
     "DeviceError",
+    "ForkedProcessError",
     "MpiFinalizedError",
     "MpitensorError",
     "NoContextError",
     "NotAMemberError",
+    "ObjectUnpicklingError",
     "TensorInFlightError",
     "ThreadMisuseError",
     "TracedArrayError",
@@ -62,6 +64,24 @@ class NoContextError(MpitensorError, RuntimeError):
 
 class DeviceError(MpitensorError, RuntimeError):
     """A device is not available here, not in the context, or from another context."""
+
+
+class ForkedProcessError(MpitensorError, RuntimeError):
+    """This process was forked (``os.fork``) from a rank after MPI was initialized there.
+
+    The child shares its parent's MPI state and connections: a collective, a close or an
+    MPI finalize from it would be taken for the rank's own and corrupt or end the job. So
+    in the child every collective, every use of the parent's contexts and opening a context
+    raise this error; the child finalizes nothing at exit. The parent goes on unaffected.
+    """
+
+
+class ObjectUnpicklingError(MpitensorError, TypeError):
+    """An object collective's object cannot be unpickled on a receiving rank.
+
+    Raised by `resolve()` on the rank that cannot rebuild the object (a class it cannot
+    import, an unpickling that raises); the data has moved, the context stays usable.
+    """
 
 
 class TensorInFlightError(MpitensorError, RuntimeError, ValueError):

@@ -12,6 +12,12 @@ When mpitensor owns MPI, it finalizes it exactly once: when the last context clo
 another module of the program holds ``mpi4py`` or ``mpi4py.MPI`` then (its MPI calls after
 that would abort the job), or `defer_finalize()` / ``MPITENSOR_FINALIZE=exit`` asked for it;
 then at interpreter exit.
+
+A process forked from a rank (``os.fork``: a data loader's worker, a subprocess started by
+fork) is not that rank: MPI's state it inherited belongs to its parent. In such a child
+mpitensor never calls MPI again: it finalizes nothing (on close or at exit), and the
+callbacks given to `on_fork_child` (the open contexts' layer) make them unusable there;
+`forked_from` says which rank the process was forked from.
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ __all__ = [
     "defer_finalize",
     "ensure_initialized",
     "finalize_policy",
+    "forked_from",
     "is_owner",
     "library_version",
     "loaded",
     "module",
     "note_broken",
+    "on_finalize",
+    "on_fork_child",
     "pointer_handles",
     "release",
     "thread_level",
@@ -56,6 +65,10 @@ _atexit_registered = False
 _before_finalize: list[Callable[[], None]] = []
 _broken: str | None = None  # why a collective can never complete, once one cannot
 _module: Any = None  # mpi4py.MPI, once loaded
+_rank: int | None = None  # this process's world rank, once MPI is initialized
+_forked_from: int | None = None  # the world rank this process was forked from, in a forked child
+_fork_hooked = False
+_on_fork_child: list[Callable[[int], None]] = []
 
 
 def _first_use(name: str) -> Any:
@@ -146,10 +159,61 @@ def ensure_initialized() -> int:
     Raises:
         MpiFinalizedError: MPI was already finalized in this process.
     """
+    global _rank
     module = _load()
     with _lock:
         _initialize(module)
+        if _rank is None:
+            _rank = module.COMM_WORLD.Get_rank()
+            _hook_fork()
         return module.Query_thread()
+
+
+def _hook_fork() -> None:
+    """Have a process forked from this one leave MPI alone (once per process)."""
+    global _fork_hooked
+    if not _fork_hooked and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_hooked = True
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: from now on no MPI call of mpitensor's, and tell the callbacks.
+
+    The child shares its parent's MPI connections (the launcher's, the peers'): a finalize,
+    a close check or a collective from it would be taken for the rank's own, and ends or
+    corrupts the job. Runs right after ``fork`` in the child, with one thread; never raises.
+    """
+    global _forked_from
+    if _rank is None:
+        return
+    if _forked_from is None:  # a child of a child keeps the rank it came from first
+        _forked_from = _rank
+    for callback in list(_on_fork_child):
+        try:
+            callback(_forked_from)
+        except Exception as exc:  # the child must start whatever a callback does
+            sys.stderr.write(f"mpitensor: in a process forked from rank {_forked_from}, {callback!r} failed: {exc}\n")
+
+
+def on_fork_child(callback: Callable[[int], None]) -> None:
+    """Call `callback(rank)` in a process forked from a rank, right after the fork.
+
+    For the layers above, whose state (open contexts, listener threads) must stop using MPI
+    in the child. `callback` runs with one thread alive and must not call MPI.
+
+    Args:
+        callback: called with the world rank the process was forked from.
+    """
+    _on_fork_child.append(callback)
+
+
+def forked_from() -> int | None:
+    """The world rank this process was forked from (after MPI was initialized there), or None.
+
+    None in the rank's own process, and in a process forked before MPI was initialized.
+    """
+    return _forked_from
 
 
 def _initialize(module: Any) -> None:
@@ -216,7 +280,7 @@ def release(open_contexts: int) -> bool:
     Returns:
         True if MPI was finalized by this call.
     """
-    if open_contexts or _defer or _used_elsewhere():
+    if open_contexts or _defer or _forked_from is not None or _used_elsewhere():
         return False
     return _finalize()
 
@@ -245,6 +309,8 @@ def _used_elsewhere() -> bool:
 
 def _finalize() -> bool:
     global _finalized_by_us
+    if _forked_from is not None:  # the parent finalizes its MPI; the child has none of its own
+        return False
     with _lock:
         if not _owner or _finalized_by_us or MPI.Is_finalized() or not MPI.Is_initialized():
             return False
@@ -274,6 +340,8 @@ def note_broken(reason: str) -> None:
 
 
 def _finalize_at_exit() -> None:
+    if _forked_from is not None:
+        return
     if _broken is not None and _owner and MPI.Is_initialized() and not MPI.Is_finalized():
         # MPI_Finalize runs holding the GIL, so no Python code can watch it; the alarm's
         # default action ends the process in the kernel, and a rank killed by a signal

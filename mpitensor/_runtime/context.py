@@ -8,6 +8,7 @@ over that subset only (``MPI_Comm_create_group``: ranks outside take no part), a
 
 from __future__ import annotations
 
+import builtins
 import operator
 import os
 import socket
@@ -17,11 +18,19 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, NamedTuple
 
+from .._core import errors as _errors
 from .._core import mpi as _mpi
 from .._core import state as _state
 from .._core.config import DistributedConfig
 from .._core.device import Device, choose_device, local_rank_from_env
-from .._core.errors import CollectiveMismatchError, ContextBrokenError, ContextClosedError, DeviceError, NotAMemberError
+from .._core.errors import (
+    CollectiveMismatchError,
+    ContextBrokenError,
+    ContextClosedError,
+    DeviceError,
+    ForkedProcessError,
+    NotAMemberError,
+)
 from .._core.mpi import MPI
 from .._core.pool import HostPool
 from . import failfast as _failfast
@@ -43,12 +52,43 @@ _host_pool = HostPool()
 _abandoned: list[Any] = []
 
 
-def _device_failure(failures: list[tuple[int, str]], own: str | None, world_rank: int) -> DeviceError:
-    """The error every rank raises when some ranks cannot have their device: own reason first."""
-    others = "; ".join(f"rank {rank}: {reason}" for rank, reason in failures if rank != world_rank)
+def _setup_failure(failures: list[tuple[int, tuple[str, str, str]]], own: int | None) -> Exception:
+    """The error every rank raises when the context's setup failed on some ranks.
+
+    Every rank raises the same class: that of the lowest failing rank's error where every
+    rank has it (a built-in exception or mpitensor's own), else `RuntimeError`. The message
+    names each failing rank and its error; a failing rank's own error comes first.
+
+    Args:
+        failures: (world rank, (class name, class module, message)) of each failing rank, ascending.
+        own: this rank's world rank when it failed too, else None.
+    """
+    cls = _shared_class(*failures[0][1][:2])
+
+    def said(name: str, message: str) -> str:
+        return message if name == cls.__name__ else f"{name}: {message}"
+
+    others = "; ".join(f"rank {rank}: {said(name, message)}" for rank, (name, _, message) in failures if rank != own)
     if own is not None:
-        return DeviceError(own + (f" (and {others})" if others else ""))
-    return DeviceError(f"DistributedContext.init failed on other ranks, which cannot have their device: {others}")
+        name, _, message = next(row for rank, row in failures if rank == own)
+        text = said(name, message) + (f" (and {others})" if others else "")
+    else:
+        why = "which cannot have their device" if cls is DeviceError else "so it fails on this rank too"
+        text = f"DistributedContext.init failed on other ranks, {why}: {others}"
+    try:
+        return cls(text)
+    except Exception:  # a class whose constructor wants more than a message
+        return RuntimeError(text)
+
+
+def _shared_class(name: str, module: str) -> type[Exception]:
+    """The exception class `name` of `module` where every rank has it (built-in or mpitensor's), else RuntimeError."""
+    found = getattr(builtins, name, None) if module == "builtins" else None
+    if module == _errors.__name__:
+        found = getattr(_errors, name, None)
+    if isinstance(found, type) and issubclass(found, Exception):
+        return found
+    return RuntimeError
 
 
 class DistributedContext:
@@ -109,27 +149,35 @@ class DistributedContext:
 
         Raises:
             TypeError: `devices` or `config` has the wrong type.
-            ValueError: a rank is out of range, repeated, or this rank is not listed.
+            ValueError: a rank is out of range, repeated, or this rank is not listed; a
+                setting that cannot be used (a trace path that is a directory...).
             DeviceError: a GPU is asked for that this rank does not have.
             MpiFinalizedError: MPI was finalized already in this process.
+            ForkedProcessError: this process was forked from a rank (only the rank opens contexts).
+            Exception: whatever failed while the context was set up on any rank (a trace ring
+                that cannot be allocated: `MemoryError`...), raised on every rank of the
+                context alike: the class of the lowest failing rank's error, its message
+                naming each failing rank and its error.
         """
+        rank = _mpi.forked_from()
+        if rank is not None:
+            raise ForkedProcessError(_state.forked_message(rank))
         if config is None:
             config = DistributedConfig()
         if not isinstance(config, DistributedConfig):
             raise TypeError(f"config must be a DistributedConfig, got {type(config).__name__}")
-        timeout = config.resolved_timeout()
         thread_level = _mpi.ensure_initialized()
-        return cls(_private=_InitArgs(devices, config, thread_level, timeout))
+        return cls(_private=_InitArgs(devices, config, thread_level))
 
-    def _setup(self, devices: DevicesArg, config: DistributedConfig, thread_level: int, timeout: float | None) -> None:
+    def _setup(self, devices: DevicesArg, config: DistributedConfig, thread_level: int) -> None:
         world = MPI.COMM_WORLD
         world_rank, world_size = world.Get_rank(), world.Get_size()
         members, chosen = _parse_init_devices(devices, world_rank, world_size)
         self.config = config
-        self.timeout = timeout
         self._thread_level = thread_level
         self.closed = False
         self._broken: str | None = None  # why the context is broken
+        self._forked_from: int | None = None  # in a process forked from the rank: that rank
         self.usable = True  # neither closed nor broken: what collectives check on every call
         self.owner_thread = threading.get_ident()  # the one thread that may call collectives
         self.owner_thread_name = threading.current_thread().name
@@ -149,19 +197,7 @@ class DistributedContext:
         self._local_rank = local.Get_rank()
         self._local_size = local.Get_size()
         self._host = MPI.Get_processor_name() or socket.gethostname()
-        # A rank that cannot have its device must not leave the others waiting in the
-        # allgather: every rank learns of every failure and raises.
-        try:
-            device = _choose_device(chosen, config, self._local_rank, world_rank)
-            mine: tuple[Any, ...] = (device.kind, device.index, self._host, self._local_rank, None)
-        except DeviceError as exc:
-            mine = ("cpu", 0, self._host, self._local_rank, str(exc))
-        everyone = comm.allgather(mine)
-        failures = [(members[r], row[4]) for r, row in enumerate(everyone) if row[4] is not None]
-        if failures:
-            local.Free()
-            comm.Free()
-            raise _device_failure(failures, mine[4], world_rank)
+        everyone, device, trace = self._agree_on_setup(chosen, config, thread_level, world_rank)
         self._devices = tuple(
             Device(kind, index, members[r]) for r, (kind, index, _, _, _) in enumerate(everyone)
         )
@@ -169,7 +205,11 @@ class DistributedContext:
         self._local_ranks = tuple(row[3] for row in everyone)
         self._device = self._devices[self._rank]
         self.cpu_device = self._device if device.kind == "cpu" else Device("cpu", 0, world_rank)
-        self.trace = self._open_trace(config, thread_level)
+        # From here on every step is collective, or cannot fail on one rank alone.
+        self.trace = trace
+        if trace is not None:
+            trace.start(comm, thread_level >= MPI.THREAD_MULTIPLE)
+            _failfast.on_abort(trace.alarm)
         self._open_groups(comm)
         self.engine = Engine(self)
         self.engine.tracer = None if self.trace is None else self.trace.tracer
@@ -184,22 +224,42 @@ class DistributedContext:
         if config.fail_fast:
             _failfast.arm()
 
-    def _open_trace(self, config: DistributedConfig, thread_level: int) -> TraceSession | None:
-        """The context's trace when it is asked for (collective: the clocks' offsets are measured)."""
-        path = config.resolved_trace()
-        if path is None:
-            return None
+    def _agree_on_setup(
+        self, chosen: Device | None, config: DistributedConfig, thread_level: int, world_rank: int
+    ) -> tuple[list[tuple[Any, ...]], Device, TraceSession | None]:
+        """Run the setup's steps that can fail on one rank alone, then tell every rank how they went.
+
+        Each of these steps (the timeout from the environment, the device, the progress
+        setting, the trace's path and ring) runs before the one exchange of the setup, so a
+        failure anywhere reaches every rank there, before any of them waits in a collective
+        for a peer that raised. Collective over the context's communicator.
+
+        Returns:
+            Every rank's row (device kind and index, host, local rank, failure) in rank
+            order, this rank's device, and its trace (None when not traced).
+
+        Raises:
+            Exception: some rank failed: on every rank, as `_setup_failure` makes it (the
+                communicators are freed first).
+        """
+        device, trace, failure = Device("cpu", 0, world_rank), None, None
         try:
-            session = TraceSession(
-                path, config.trace_events, self._comm, self._world_ranks, self._host, config.check,
-                thread_level >= MPI.THREAD_MULTIPLE,
-            )  # fmt: skip
-        except ValueError:
+            self.timeout = config.resolved_timeout()
+            device = _choose_device(chosen, config, self._local_rank, world_rank)
+            _check_progress_setting(config, thread_level)
+            path = config.resolved_trace()
+            if path is not None:
+                trace = TraceSession(path, config.trace_events, self._world_ranks, self._rank, self._host, config.check)
+        except Exception as exc:  # any failure here must reach the peers, not leave them waiting
+            failure = exc
+        said = None if failure is None else (type(failure).__name__, type(failure).__module__, str(failure))
+        everyone = self._comm.allgather((device.kind, device.index, self._host, self._local_rank, said))
+        failures = [(self._world_ranks[r], row[4]) for r, row in enumerate(everyone) if row[4] is not None]
+        if failures:
             self._local_comm.Free()
             self._comm.Free()
-            raise
-        _failfast.on_abort(session.alarm)
-        return session
+            raise _setup_failure(failures, world_rank if failure is not None else None) from failure
+        return everyone, device, trace
 
     def _open_groups(self, comm: Any) -> None:
         """The whole context's group, the point-to-point group and the diagnosis communicator."""
@@ -301,7 +361,8 @@ class DistributedContext:
         Closing is a check of its own on the whole context (see `_say_goodbye`): a peer still
         calling a collective is told that this rank left instead of waiting for it forever.
         MPI is finalized when this was the last open context and mpitensor initialized
-        MPI (unless finalization is deferred, see `defer_finalize`). Idempotent.
+        MPI (unless finalization is deferred, see `defer_finalize`). Idempotent; in a process
+        forked from the rank it does nothing (the context is the parent's to close).
 
         Raises:
             CollectiveTimeoutError: the collectives in flight did not complete within the
@@ -387,7 +448,12 @@ class DistributedContext:
 
         Args:
             errorcode: the exit code the launcher reports.
+
+        Raises:
+            ForkedProcessError: this process was forked from the rank (only the rank may end the job).
         """
+        if self._forked_from is not None:
+            raise ForkedProcessError(_state.forked_message(self._forked_from))
         sys.stdout.flush()
         sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] mpitensor: ctx.abort({errorcode}) called\n")
         sys.stderr.flush()
@@ -465,8 +531,21 @@ class DistributedContext:
                 comm.Free()
 
     def _ensure_open(self) -> None:
+        if self._forked_from is not None:
+            raise ForkedProcessError(_state.forked_message(self._forked_from))
         if self.closed:
             raise ContextClosedError("this DistributedContext is closed; open a new one with DistributedContext.init()")
+
+    def _forsake(self, rank: int) -> None:
+        """In a process forked from rank `rank`: this context is the parent's; here it is closed, without MPI.
+
+        Nothing is freed, finalized or told to the peers (the communicators, the engine's
+        ops and the trace are the parent's); every later use raises `ForkedProcessError`,
+        and `close()` and leaving a ``with`` block do nothing.
+        """
+        self._forked_from = rank
+        self.closed = True
+        self.usable = False
 
     def ensure_usable(self) -> None:
         """Raise unless collectives may run (internal: collectives call it when ``usable`` is False).
@@ -474,6 +553,7 @@ class DistributedContext:
         Raises:
             ContextClosedError: the context is closed.
             ContextBrokenError: the context is broken (a collective timed out or MPI failed).
+            ForkedProcessError: this process was forked from the rank that opened the context.
         """
         self._ensure_open()
         if self._broken is not None:
@@ -585,7 +665,6 @@ class _InitArgs(NamedTuple):
     devices: DevicesArg
     config: DistributedConfig
     thread_level: int
-    timeout: float | None
 
 
 def _progress_wanted(config: DistributedConfig, thread_level: int, spare_cores: int, kind: str) -> bool:
@@ -597,22 +676,28 @@ def _progress_wanted(config: DistributedConfig, thread_level: int, spare_cores: 
     Without a spare core the thread takes CPU time from the program's own compute, and
     communication that is CPU copying cannot overlap it: it only costs.
 
-    Raises:
-        ValueError: the config asks for it but MPI does not provide the thread level.
+    Without ``MPI_THREAD_MULTIPLE`` there is none (`_check_progress_setting` refuses a
+    config that asks for one then).
     """
     multiple = thread_level == MPI.THREAD_MULTIPLE
     wanted = config.progress
     if wanted is None:
         raw = os.environ.get("MPITENSOR_PROGRESS", "").strip()
         wanted = raw not in ("0", "false", "no") if raw else multiple and (spare_cores > 0 or kind == "cuda")
-    if wanted and not multiple:
-        if config.progress:
-            raise ValueError(
-                "DistributedConfig(progress=True) needs MPI_THREAD_MULTIPLE, but MPI provides "
-                f"{_mpi.thread_level_name(thread_level)}; unset MPITENSOR_THREAD_LEVEL or use progress=False"
-            )
-        return False
-    return bool(wanted)
+    return bool(wanted) and multiple
+
+
+def _check_progress_setting(config: DistributedConfig, thread_level: int) -> None:
+    """Refuse a config that asks for a progress thread where MPI's thread level cannot have one.
+
+    Raises:
+        ValueError: the config asks for it but MPI does not provide ``MPI_THREAD_MULTIPLE``.
+    """
+    if config.progress and thread_level != MPI.THREAD_MULTIPLE:
+        raise ValueError(
+            "DistributedConfig(progress=True) needs MPI_THREAD_MULTIPLE, but MPI provides "
+            f"{_mpi.thread_level_name(thread_level)}; unset MPITENSOR_THREAD_LEVEL or use progress=False"
+        )
 
 
 def _tag_for(members: Sequence[int]) -> int:
@@ -664,6 +749,20 @@ def _choose_device(chosen: Device | None, config: DistributedConfig, local_rank:
 
         require_cupy().cuda.Device(device.index).use()
     return device
+
+
+def _in_forked_child(rank: int) -> None:
+    """Right after a fork, in the child of rank `rank`: the open contexts are the parent's.
+
+    They are forgotten (no collective finds them) and closed here without a call to MPI,
+    and fail-fast is disarmed: an exception in the child ends the child only.
+    """
+    for ctx in _state.forget_in_child(rank):
+        ctx._forsake(rank)
+    _failfast.disarm_left_contexts()
+
+
+_mpi.on_fork_child(_in_forked_child)
 
 
 def current_context() -> DistributedContext:

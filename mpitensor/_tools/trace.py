@@ -27,6 +27,12 @@ def _trace_file(path: str, dumps: list[dict]) -> str:
     return path
 
 
+def _one_line(path: str, message: str) -> str:
+    """`message` on one line, naming `path` if it does not already."""
+    line = " ".join(message.split())
+    return line if path in line else f"{path}: {line}"
+
+
 def _plot(summary: TraceSummary, dumps: list[dict], plot: str) -> None:
     try:
         print(f"plot: {plot_summary(summary, dumps, plot)}")
@@ -42,14 +48,21 @@ def main(path: str, plot: str | None) -> int:
         plot: where to write the PNG; None for none.
 
     Returns:
-        The exit status: 0, or 2 when the trace is missing or not an mpitensor trace.
+        The exit status: 0, or 2 when the trace is missing, not an mpitensor trace or damaged
+        (one line on stderr says what is wrong).
     """
     try:
         dumps = read_dumps(path)
         summary = summarize(dumps)
         trace = _trace_file(path, dumps)
     except (OSError, ValueError, TypeError) as exc:
-        print(f"python -m mpitensor trace: {exc}", file=sys.stderr)
+        print(f"python -m mpitensor trace: {_one_line(path, str(exc))}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # any other fault of a damaged file: said in one line, never a traceback
+        print(
+            f"python -m mpitensor trace: {_one_line(path, f'cannot be read as a trace ({type(exc).__name__}: {exc})')}",
+            file=sys.stderr,
+        )
         return 2
     print(summary.text())
     print(f"trace: {trace} (open it in https://ui.perfetto.dev or chrome://tracing)")

@@ -15,21 +15,53 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .chrome import chrome_trace, earliest_ns, rank_events
-from .stragglers import check_dumps
+from .stragglers import check_dump_values, check_dumps
 
-__all__ = ["FORMAT", "part_path", "part_paths", "read_dumps", "remove_trace", "write_part", "write_trace"]
+__all__ = ["FORMAT", "clear_path", "part_path", "part_paths", "read_dumps", "remove_trace", "write_part", "write_trace"]
 
 FORMAT = 1
 _PART = re.compile(r"\.rank(\d+)\.json$")
 
 
 def _write_json(path: str, content: Mapping[str, Any]) -> str:
+    """Write `content` to `path` atomically; on any failure leave nothing behind and raise.
+
+    Raises:
+        OSError: the file cannot be written (a full disk, no permission, a directory there),
+            with the path and what to do; the partial ``PATH.tmp`` is removed.
+    """
     # A reader (or a rank dumping at a fault) never sees a half-written file: write beside it, then rename.
     tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as file:
-        json.dump(content, file)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as file:
+            json.dump(content, file)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        _remove_quietly(tmp)
+        if isinstance(exc, OSError):
+            raise _write_error(path, exc) from exc
+        raise
     return path
+
+
+def _write_error(path: str, exc: OSError) -> OSError:
+    """`exc` (of its own class) saying which trace file could not be written and what to do."""
+    message = (
+        f"the trace could not be written to {path} ({exc.strerror or exc}); free space there or trace "
+        "to another path (DistributedConfig(trace=...) or MPITENSOR_TRACE)"
+    )
+    try:
+        return type(exc)(exc.errno, message) if exc.errno is not None else type(exc)(message)
+    except TypeError:  # a subclass with a constructor of its own
+        return OSError(exc.errno, message)
+
+
+def _remove_quietly(name: str) -> None:
+    """Remove `name` if it exists; a failure to remove is not reported (an error is being raised)."""
+    try:
+        os.remove(name)
+    except OSError:
+        pass
 
 
 def write_trace(path: str | os.PathLike[str], dumps: Sequence[Mapping[str, Any]]) -> str:
@@ -104,12 +136,50 @@ def remove_trace(path: str | os.PathLike[str]) -> None:
             pass
 
 
+def clear_path(path: str | os.PathLike[str]) -> None:
+    """Make `path` ready for a new run's trace: check where it goes, and remove an earlier run's trace and parts.
+
+    Args:
+        path: the merged trace's path.
+
+    Raises:
+        ValueError: the folder does not exist or is not writable, `path` is a directory, or an
+            earlier trace there cannot be removed (each says what to do).
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"trace={path!r}: the folder {folder} does not exist on rank 0; create it or trace elsewhere")
+    if os.path.isdir(path):
+        raise ValueError(
+            f"trace={path!r} is a directory on rank 0; pass the path of the file to write, "
+            f"such as {os.path.join(path, 'trace.json')!r}"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"trace={path!r}: rank 0 cannot write in the folder {folder}; make it writable or trace elsewhere"
+        )
+    try:
+        remove_trace(path)
+    except OSError as exc:
+        raise ValueError(
+            f"trace={path!r}: rank 0 cannot remove the earlier trace there ({exc}); remove it, or trace elsewhere"
+        ) from exc
+
+
 def _load(path: str) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as file:
         try:
             content = json.load(file)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not an mpitensor trace: it is not JSON ({exc})") from exc
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path} is not an mpitensor trace: it is not UTF-8 text ({exc})") from exc
+        except RecursionError as exc:
+            raise ValueError(
+                f"{path} is not an mpitensor trace: its JSON nests deeper than a trace does (and than Python's "
+                "parser can read)"
+            ) from exc
     section = content.get("mpitensor") if isinstance(content, dict) else None
     if not isinstance(section, dict):
         raise ValueError(
@@ -118,12 +188,18 @@ def _load(path: str) -> list[dict[str, Any]]:
         )
     if section.get("format") != FORMAT:
         raise ValueError(
-            f"{path} is an mpitensor trace of format {section.get('format')!r}, but this version "
+            f"{path} is an mpitensor trace of format {section.get('format')!r:.100}, but this version "
             f"reads format {FORMAT}: read it with the mpitensor that wrote it"
         )
     dumps = section.get("dumps")
     if not isinstance(dumps, list) or not all(isinstance(dump, dict) and "rank" in dump for dump in dumps):
         raise ValueError(f"{path}'s 'mpitensor' section has no list of dumps with a 'rank' each: the file is corrupt")
+    for dump in dumps:
+        try:
+            check_dumps([dump])
+            check_dump_values(dump)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path} is a damaged mpitensor trace: {exc}") from exc
     return dumps
 
 

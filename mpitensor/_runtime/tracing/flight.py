@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -61,11 +62,22 @@ class FlightRecorder:
         self._write_part = write_part
         self._message = np.zeros(1, np.int64)
         self._request = self._comm.Irecv(self._message, source=MPI.ANY_SOURCE, tag=_ASK)
-        self._thread = threading.Thread(target=self._listen, name="mpitensor-flight-recorder", daemon=True)
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._listen, name="mpitensor-flight-recorder", daemon=True
+        )
         self._stopped = threading.Lock()
         _hook_finalize()
         _listening.add(self)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # no thread to be had: this rank's part is then written at its own faults only
+            self._thread = None
+            warnings.warn(
+                f"the trace's flight recorder cannot start its listener ({exc}): this rank writes its part "
+                "of the trace at its own faults only, not when a peer faults",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _listen(self) -> None:
         status = MPI.Status()
@@ -95,14 +107,19 @@ class FlightRecorder:
     def stop(self) -> None:
         """End the listener (its receive is matched by a message to itself) and free the communicator.
 
-        Idempotent; a no-op once MPI is finalized.
+        Idempotent; a no-op once MPI is finalized, and in a process forked from the rank.
         """
         if not self._stopped.acquire(blocking=False):
             return
         _listening.discard(self)
-        if MPI.Is_finalized():
+        # In a process forked from the rank, the communicator is the parent's (and the listener
+        # is not there): it is left alone.
+        if _mpi.forked_from() is not None or MPI.Is_finalized():
             return
         stop = np.array([_STOP], np.int64)
         self._comm.Send(stop, dest=self._comm.Get_rank(), tag=_ASK)
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self._request.Wait()  # no listener took the stop: complete the receive here
         self._comm.Free()

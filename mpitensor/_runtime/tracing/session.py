@@ -9,15 +9,15 @@ trace PATH` reads either.
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from .clock import measure_offset
-from .files import remove_trace, write_part, write_trace
+from .files import clear_path, write_part, write_trace
 from .flight import FlightRecorder
+from .ring import EVENT
 from .stragglers import TraceSummary, summarize
 from .tracer import Tracer
 
@@ -27,45 +27,48 @@ __all__ = ["TraceSession"]
 class TraceSession:
     """The trace of one context on this rank.
 
-    Collective at creation (the clock offsets): every rank of the context creates it. Rank 0
-    first removes an earlier run's trace at `path` (and its parts).
+    Made in two steps, so that a failure on one rank reaches every rank before any of them
+    waits in a collective: the constructor does what may fail on this rank alone (rank 0
+    clears the path of an earlier run's trace and its parts; every rank allocates its ring),
+    before the context's setup exchange; `start`, after it, is collective (the clocks'
+    offsets, the flight recorder).
 
     Args:
         path: the trace file.
         events: collectives kept per rank (`DistributedConfig.trace_events`).
-        comm: the context's communicator.
         members: the context's world ranks in rank order.
+        rank: this rank in the context.
         host: this rank's host name.
         check: whether the context runs the consistency check.
-        threads: whether MPI allows calls from several threads (the flight recorder's listener).
 
     Raises:
-        ValueError: the trace file's folder does not exist (on every rank: rank 0 checks it).
+        ValueError: (on rank 0) the trace file's folder does not exist or is not writable,
+            the path is a directory, or an earlier trace there cannot be removed.
+        MemoryError: the ring of `events` events cannot be allocated on this rank.
     """
 
-    def __init__(
-        self, path: str, events: int, comm: Any, members: tuple[int, ...], host: str, check: bool, threads: bool
-    ) -> None:
-        folder = os.path.dirname(os.path.abspath(path))
-        problem = None
-        if comm.Get_rank() == 0:
-            if os.path.isdir(folder):
-                remove_trace(path)  # an earlier run's file or parts would be read as this run's
-            else:
-                problem = folder
-        problem = comm.bcast(problem, root=0)
-        if problem is not None:
-            raise ValueError(
-                f"trace={path!r}: the folder {problem} does not exist on rank 0; create it or trace elsewhere"
-            )
+    def __init__(self, path: str, events: int, members: tuple[int, ...], rank: int, host: str, check: bool) -> None:
+        if rank == 0:
+            clear_path(path)
         self.path = path
-        self.tracer = Tracer(events, members)
-        self._rank = members[comm.Get_rank()]
-        self._size = comm.Get_size()
+        self.tracer = _tracer(events, members)
+        self._rank = members[rank]
+        self._size = len(members)
         self._host = host
         self._check = check
+        self._offset = 0
+        self._flight: FlightRecorder | None = None
+
+    def start(self, comm: Any, threads: bool) -> None:
+        """Measure the clocks' offsets and start the flight recorder: collective over `comm`.
+
+        Args:
+            comm: the context's communicator.
+            threads: whether MPI allows calls from several threads (the flight recorder's listener).
+        """
         self._offset = measure_offset(comm)
-        self._flight = FlightRecorder(comm, self.write_part) if threads and self._size > 1 else None
+        if threads and self._size > 1:
+            self._flight = FlightRecorder(comm, self.write_part)
 
     def dump(self) -> dict[str, Any]:
         """This rank's record as a dump (see `Tracer.dump`)."""
@@ -100,8 +103,8 @@ class TraceSession:
             return
         try:
             write_trace(self.path, dumps)
-        except OSError as exc:
-            warnings.warn(f"the trace could not be written to {self.path!r}: {exc}", RuntimeWarning, stacklevel=3)
+        except OSError as exc:  # says which file and what to do; nothing half-written is left
+            warnings.warn(str(exc), RuntimeWarning, stacklevel=3)
 
     def stop(self) -> None:
         """Stop the flight recorder's listener (before the context frees its communicators)."""
@@ -112,3 +115,24 @@ class TraceSession:
     def summary(self, gather: Callable[[Any], list[Any]]) -> TraceSummary:
         """The straggler summary of every rank's record so far, `gather` exchanging the dumps."""
         return summarize(gather(self.dump()))
+
+
+_DEFAULT_EVENTS = 16384  # DistributedConfig's default, for the advice below
+
+
+def _tracer(events: int, members: tuple[int, ...]) -> Tracer:
+    """The context's `Tracer`, its ring allocated.
+
+    Raises:
+        MemoryError: the ring cannot be allocated: says its size and what to do.
+    """
+    try:
+        return Tracer(events, members)
+    except MemoryError as exc:
+        count = events or 4096
+        raise MemoryError(
+            f"trace_events={events}: the ring of {count} events ({count * EVENT.itemsize} bytes, "
+            f"{EVENT.itemsize} per event) cannot be allocated; lower trace_events (the default, "
+            f"{_DEFAULT_EVENTS}, takes {_DEFAULT_EVENTS * EVENT.itemsize} bytes), or pass 0 to keep every "
+            "event in storage that grows with the run"
+        ) from exc

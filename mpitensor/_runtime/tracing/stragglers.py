@@ -19,6 +19,7 @@ __all__ = [
     "Matching",
     "RankStats",
     "TraceSummary",
+    "check_dump_values",
     "check_dumps",
     "duration_text",
     "match_collectives",
@@ -50,9 +51,16 @@ def duration_text(ns: float) -> str:
 
 def _columns(dump: Mapping[str, Any], name: str, keys: Sequence[str]) -> Mapping[str, list[Any]]:
     table = dump.get(name, {key: [] for key in keys})
+    if not isinstance(table, Mapping):
+        raise TypeError(
+            f"rank {dump['rank']}'s {name} is a {type(table).__name__}, not a dict of columns: the dump is corrupt"
+        )
     missing = [key for key in keys if key not in table]
     if missing:
         raise ValueError(f"rank {dump['rank']}'s dump has no {name} column(s) {missing}: expected {list(keys)}")
+    wrong = [key for key in keys if not isinstance(table[key], list)]
+    if wrong:
+        raise TypeError(f"rank {dump['rank']}'s {name} column(s) {wrong} are not lists: the dump is corrupt")
     lengths = {key: len(table[key]) for key in keys}
     if len(set(lengths.values())) > 1:
         raise ValueError(f"rank {dump['rank']}'s {name} columns differ in length ({lengths}): the dump is corrupt")
@@ -65,11 +73,65 @@ def _check_dump(dump: Mapping[str, Any]) -> None:
     missing = [key for key in _DUMP_KEYS if key not in dump]
     if missing:
         raise ValueError(f"a dump lacks {missing}: expected the recorder's dump with keys {list(_DUMP_KEYS)}")
+    wrong = [key for key in ("rank", "size", "offset_ns") if not _is_int(dump[key])]
+    if wrong:
+        values = {key: dump[key] for key in wrong}
+        raise TypeError(f"a dump's {wrong} are not integers ({values!r:.200}): the dump is corrupt")
+    if dump["rank"] < 0 or dump["size"] < 1:
+        raise ValueError(f"a dump has rank {dump['rank']} of size {dump['size']}: the dump is corrupt")
+    if not isinstance(dump["groups"], Mapping):
+        raise TypeError(
+            f"rank {dump['rank']}'s groups is a {type(dump['groups']).__name__}, not a dict of group -> ranks: "
+            "the dump is corrupt"
+        )
     events = _columns(dump, "events", _EVENT_COLUMNS)
     _columns(dump, "regions", _REGION_COLUMNS)
     if 0 in events["called"]:
         row = events["called"].index(0)
         raise ValueError(f"rank {dump['rank']}'s event {events['id'][row]} has no 'called' time: the dump is corrupt")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_TEXT_COLUMNS = {"kind", "dtype", "transport", "name"}
+
+
+def check_dump_values(dump: Mapping[str, Any]) -> None:
+    """Check every value of one dump (read from a file) against the recorder's format.
+
+    `check_dumps` checks the structure (what the recorder always gets right); this checks
+    each value too, for a dump from a file that may have been damaged or edited.
+
+    Args:
+        dump: a dump that passed `check_dumps`.
+
+    Raises:
+        TypeError: a value of the wrong type (a group's ranks that are not integers, a text
+            column with a number...), naming where.
+        ValueError: a group's key that is not an integer.
+    """
+    rank = dump["rank"]
+    for key, ranks in dump["groups"].items():
+        if not isinstance(key, str) or not key.lstrip("-").isdigit():
+            raise ValueError(f"rank {rank}'s groups has the key {key!r}, not a group number: the dump is corrupt")
+        if not isinstance(ranks, list) or not all(_is_int(member) for member in ranks):
+            raise TypeError(f"rank {rank}'s group {key} is {ranks!r:.200}, not a list of ranks: the dump is corrupt")
+    for name, keys in (("events", _EVENT_COLUMNS), ("regions", _REGION_COLUMNS)):
+        table = dump.get(name, {})
+        for key in keys:
+            expected, kind = ("strings", str) if key in _TEXT_COLUMNS else ("integers", int)
+            column = table.get(key, [])
+            row = next((row for row, value in enumerate(column) if type(value) is not kind), None)
+            if row is not None:
+                raise TypeError(
+                    f"rank {rank}'s {name} column {key!r} holds {column[row]!r:.100} at row {row}, where it "
+                    f"holds {expected}: the dump is corrupt"
+                )
+    for key, kind in (("host", str), ("check", bool), ("dropped", int), ("capacity", int)):
+        if key in dump and type(dump[key]) is not kind:
+            raise TypeError(f"rank {rank}'s {key} is {dump[key]!r:.100}, not a {kind.__name__}: the dump is corrupt")
 
 
 def check_dumps(dumps: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -446,6 +508,10 @@ class TraceSummary:
             Lines joined by newlines, without a trailing one.
         """
         return "\n".join([*_counts_lines(self), *_table_lines(self), *_worst_lines(self), *_caveat_lines(self)])
+
+    def __str__(self) -> str:
+        """The readable report (`text`), so that ``print(ctx.trace_summary())`` prints it; ``repr`` keeps the fields."""
+        return self.text()
 
 
 _HEADER = ("rank", "times last", "% of collectives", "wait caused", "wait suffered", "median lateness")
