@@ -17,6 +17,7 @@ import numpy as np
 
 from .._core.device import Device
 from .._core.dtypes import mpi_datatype
+from .._core.errors import ObjectUnpicklingError
 from .._runtime.check import Record
 from .._runtime.context import DevicesArg
 from .._runtime.engine import Group, Op
@@ -42,7 +43,9 @@ def broadcast_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = 
         root included: it unpickles its own bytes too, so no rank shares the original).
 
     Raises:
-        TypeError: the root's object cannot be pickled (on the root), or unpickled (from `resolve()`).
+        TypeError: the root's object cannot be pickled (on the root).
+        ObjectUnpicklingError: (also a TypeError) from `resolve()`: the object cannot be
+            unpickled on this rank.
         ValueError: the root is not in the group (raised on every rank).
         CollectiveMismatchError: the ranks disagree on root or group.
     """
@@ -73,7 +76,9 @@ def all_gather_object(obj: Any, *, devices: DevicesArg = None) -> CollectiveTens
         A `CollectiveTensor` resolving to the list of every rank's object, in group order.
 
     Raises:
-        TypeError: the object cannot be pickled, or a peer's cannot be unpickled (from `resolve()`).
+        TypeError: the object cannot be pickled.
+        ObjectUnpicklingError: (also a TypeError) from `resolve()`: a peer's object cannot be
+            unpickled on this rank.
         CollectiveMismatchError: the ranks disagree on the group.
     """
     ctx = context_for("all_gather_object")
@@ -101,7 +106,9 @@ def gather_object(obj: Any, root: int | Device = 0, *, devices: DevicesArg = Non
         group order, and to None elsewhere.
 
     Raises:
-        TypeError: the object cannot be pickled, or a peer's cannot be unpickled (from `resolve()`).
+        TypeError: the object cannot be pickled.
+        ObjectUnpicklingError: (also a TypeError) from `resolve()`: a peer's object cannot be
+            unpickled on this rank.
         ValueError: the root is not in the group (raised on every rank).
         CollectiveMismatchError: the ranks disagree on root or group.
     """
@@ -145,6 +152,8 @@ def _pickled(obj: Any) -> np.ndarray:
     try:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # pickling runs the object's own code, which may raise anything
+        # A plain TypeError: an error of this rank's own argument, raised before the call's
+        # check, so the call's entry takes its failed turn for it (peers then raise).
         raise TypeError(
             f"the object ({type(obj).__qualname__}) cannot be pickled: {type(exc).__name__}: {exc}; "
             "pass an object pickle can serialize"
@@ -153,16 +162,17 @@ def _pickled(obj: Any) -> np.ndarray:
 
 
 def _loaded(data: Any, sender: int) -> Any:
-    """One pickle unpickled; what fails is said as a TypeError naming the sender.
+    """One pickle unpickled; what fails is said as an `ObjectUnpicklingError` naming the sender.
 
     Raises:
-        TypeError: the bytes `sender` sent cannot be unpickled here (a class this rank cannot
-            import, an object whose unpickling raises), chained to the original error.
+        ObjectUnpicklingError: (an `MpitensorError` and a `TypeError`) the bytes `sender`
+            sent cannot be unpickled here (a class this rank cannot import, an object whose
+            unpickling raises), chained to the original error.
     """
     try:
         return pickle.loads(data)
     except Exception as exc:  # unpickling runs the sender's classes' code
-        raise TypeError(
+        raise ObjectUnpicklingError(
             f"rank {sender}'s object cannot be unpickled on this rank: {type(exc).__name__}: {exc}; "
             "objects must be of classes every rank can import and rebuild"
         ) from exc

@@ -84,3 +84,51 @@ def test_a_root_outside_the_group_raises_on_every_rank(module_ctx):
     with pytest.raises(ValueError, match="gather_object: root 99 is not in the group"):
         mt.gather_object(1, root=99).resolve()
     assert mt.all_reduce(np.ones(1)).resolve().item() == module_ctx.size
+
+
+class _Fussy:
+    """An object whose unpickling fails on every rank but the one that sent it."""
+
+    def __init__(self, sender: int) -> None:
+        self.sender = sender
+
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        return _rebuild_fussy, (self.sender,)
+
+
+def _rebuild_fussy(sender: int) -> _Fussy:
+    here = mt.current_context().rank
+    if here != sender:
+        raise RuntimeError(f"made on rank {sender}, not rebuildable on rank {here}")
+    return _Fussy(sender)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["broadcast_object", "all_gather_object", "gather_object"])
+def test_an_object_that_fails_to_unpickle_is_an_mpitensor_error_on_the_receiving_rank(module_ctx, kind):
+    ctx = module_ctx
+    root = ctx.size - 1
+    if kind == "broadcast_object":
+        handle = mt.broadcast_object(_Fussy(ctx.rank) if ctx.rank == root else None, root)
+        fails, sender = ctx.rank != root, root
+    elif kind == "all_gather_object":
+        handle = mt.all_gather_object(_Fussy(ctx.rank))
+        fails, sender = True, 1 if ctx.rank == 0 else 0  # the first peer in rank order
+    else:
+        handle = mt.gather_object(_Fussy(ctx.rank), root)
+        fails, sender = ctx.rank == root, 0
+    if fails:
+        with pytest.raises(mt.ObjectUnpicklingError) as info:
+            handle.resolve()
+        assert isinstance(info.value, mt.MpitensorError) and isinstance(info.value, TypeError)
+        assert str(info.value) == (
+            f"rank {sender}'s object cannot be unpickled on this rank: RuntimeError: made on rank {sender}, "
+            f"not rebuildable on rank {ctx.rank}; objects must be of classes every rank can import and rebuild"
+        )
+        assert isinstance(info.value.__cause__, RuntimeError)
+    else:
+        got = handle.resolve()
+        assert (got.sender if kind == "broadcast_object" else got) == (root if kind == "broadcast_object" else None)
+    # The next collective pairs as it should: every rank's input, summed as NumPy sums them.
+    inputs = [np.arange(4.0) * (r + 1) for r in range(ctx.size)]
+    np.testing.assert_array_equal(mt.all_reduce(inputs[ctx.rank]).resolve().numpy(), np.sum(inputs, axis=0))
