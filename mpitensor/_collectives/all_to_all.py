@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -72,12 +73,14 @@ def all_to_all(
         refuse_on_gpu("all_to_all", out=out)
         handle = staged(ctx, source, group, lambda host, members: all_to_all(host, devices=members, splits=splits))
         return follow(handle, source.back)
+    _refuse_overlap(out, source)  # before the input is protected, which would read as "out= is read-only"
     protections = source.guard(ctx)
     if splits is not None:
         return follow(_start_split(ctx, source, group, splits, out, protections), source.back)
     array = source.buffer
     problem, _ = blocks_or_problem(array.shape, group.size, "all_to_all")
-    received = output_buffer(ctx, out, array.shape, array.dtype, "all_to_all", (source.array, array))
+    with _released_on_error(protections):
+        received = output_buffer(ctx, out, array.shape, array.dtype, "all_to_all", (source.array, array))
     result = output_tensor(out, received, result_device(ctx, source))
     datatype = mpi_datatype(array.dtype)
 
@@ -97,12 +100,13 @@ def _start_split(ctx: DistributedContext, source: Input, group: Group, splits: A
                  protections: tuple[Any, ...]) -> CollectiveTensor:
     """`all_to_all` with splits: swap the counts, then ``MPI_Ialltoallv``."""
     array = source.buffer
-    rows = row_counts(splits, array.shape, group, "all_to_all", "splits")
-    assert rows is not None
-    rest = array.shape[1:]
-    if out is not None:  # everything but its length, which comes from the peers
-        lead = tuple(getattr(out, "shape", ()))[:1] or (0,)
-        output_buffer(ctx, out, (*lead, *rest), array.dtype, "all_to_all", (source.array, array))
+    with _released_on_error(protections):
+        rows = row_counts(splits, array.shape, group, "all_to_all", "splits")
+        assert rows is not None
+        rest = array.shape[1:]
+        if out is not None:  # everything but its length, which comes from the peers
+            lead = tuple(getattr(out, "shape", ()))[:1] or (0,)
+            output_buffer(ctx, out, (*lead, *rest), array.dtype, "all_to_all", (source.array, array))
     row = math.prod(rest)
     send_counts = [n * row for n in rows]
     send_displs = displacements(send_counts)
@@ -131,6 +135,32 @@ def _start_split(ctx: DistributedContext, source: Input, group: Group, splits: A
     op = Op("all_to_all", group, array.nbytes, post, finish, record=record, keep=(array,),
             protections=protections, exchange=np.array(rows, np.int64), compare=ctx.config.check)
     return start(ctx, op, later)
+
+
+def _refuse_overlap(out: Any, source: Input) -> None:
+    """Refuse an `out` that shares memory with the input: blocks would be overwritten before they are sent.
+
+    Raises:
+        ValueError: `out` overlaps the input, saying what to pass instead.
+    """
+    array = out.array if isinstance(out, Tensor) else out
+    if isinstance(array, np.ndarray) and np.may_share_memory(array, source.array):
+        raise ValueError(
+            "all_to_all: out= overlaps the input; all_to_all cannot write its result over its own input "
+            "(a block would be overwritten before it is sent): pass a separate array of the result's "
+            "shape and dtype, such as numpy.empty_like(input), or no out= for a new one"
+        )
+
+
+@contextmanager
+def _released_on_error(protections: tuple[Any, ...]) -> Iterator[None]:
+    """Lift the input's protections if the block raises: nothing was started, so the input must not stay read-only."""
+    try:
+        yield
+    except BaseException:
+        for protection in protections:
+            protection.release()
+        raise
 
 
 def _fitting(out: Any, shape: tuple[int, ...], failure: list[Exception]) -> np.ndarray | None:
