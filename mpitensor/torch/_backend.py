@@ -11,6 +11,7 @@ only its built-in MPI backend is exempt. So this module wraps
 ``torch.distributed.init_process_group`` (and ``monitored_barrier``, which torch keeps for
 gloo): for the ``mpitensor`` backend the wrapper opens the context and hands torch a
 local placeholder store, rank and world size; every other call goes to torch unchanged.
+It also installs `_frontends`' wrappers (conjugate views, the object collectives' turns).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.distributed.distributed_c10d as c10d
 
 import mpitensor as mt
 
+from ._frontends import FRONTENDS
 from ._process_group import BACKEND_NAME, ProcessGroupMpitensor
 
 __all__ = ["register"]
@@ -39,8 +41,11 @@ def register() -> None:
     if BACKEND_NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     # torch.distributed re-exports distributed_c10d's functions: one wrapper serves both names.
-    for name, wrap in (("init_process_group", _wrap_init), ("monitored_barrier", _wrap_monitored_barrier)):
-        original = getattr(c10d, name)
+    wrappers = (("init_process_group", _wrap_init), ("monitored_barrier", _wrap_monitored_barrier), *FRONTENDS)
+    for name, wrap in wrappers:
+        original = getattr(c10d, name, None)
+        if original is None:  # a function this torch does not have
+            continue
         if not getattr(original, "_mpitensor_wrapper", False):
             wrapper = wrap(original)
             setattr(c10d, name, wrapper)

@@ -11,6 +11,7 @@ GPU paths (staged through the host, or CUDA-aware MPI).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,8 +27,10 @@ from ._arrays import host_view, numpy_dtype, torch_view
 from ._completer import Completer
 from ._hooks import HookCollectives
 from ._monitored_barrier import monitored_barrier
-from ._reduce_ops import reduce_operation
-from ._work import Work, finished_work
+from ._p2p import discard, notice_error, send_notice, sendable
+from ._reduce_ops import known_operation, reduce_operation
+from ._sizes import agree_all_gather, agree_all_to_all, agree_gather, agree_scatter, refuse
+from ._work import Work, finished_work, waited
 
 __all__ = ["BACKEND_NAME", "ProcessGroupMpitensor"]
 
@@ -71,6 +74,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._group_name = ""
         self._completed = finished_work(self._completer)
         self._group_desc = ""
+        self._tokens: dict[tuple[int, bool], Any] = {}  # monitored_barrier's receipts left posted
         # Made with the group, as every rank makes it: the communicator of callbacks' collectives.
         self._hooks = HookCollectives(SideComm(mt.current_context().comm, self._devices), timeout)
 
@@ -123,6 +127,17 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def _work(self, handles: Sequence[Any], finish: Callable[[list[Any]], None] | None, outputs: Any) -> Work:
         return Work(handles, finish, outputs, self._timeout, self._completer)
 
+    def door(self, kind: str) -> mt.collective_call:
+        """The door of a call of `kind` on this group, for a call made of several (torch's object collectives).
+
+        An error inside it before the first collective takes the call's turn on the group.
+        """
+        return mt.collective_call(kind, self._devices)
+
+    def after(self, work: dist.Work, action: Callable[[], None], outputs: Any) -> Work:
+        """A work that completes when `work` does, then runs `action` (writes results back)."""
+        return Work([waited(work)], lambda _: action(), outputs, self._timeout, self._completer)
+
     # -- reductions -------------------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
@@ -133,18 +148,24 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         """
         if self._completer.on_thread():
             return finished_work(self._completer, self._hooks.all_reduce(tensors, opts, self._completer.chain))
+        if opts is not None and not opts.asyncOp and self._devices is None and len(tensors) == 1:
+            small = _small_call(tensors[0], opts)
+            if small is not None:
+                # A small tensor reduced through its NumPy view: the array's compiled lane,
+                # and the result written back with NumPy, no torch tensor made on the way.
+                # Nothing here can fail before mpitensor's own call, so no door is needed.
+                view, op = small
+                _write_back(tensors[0], view, mt.all_reduce(view, op).resolve(self._timeout).numpy())
+                return self._completed
+        with mt.collective_call("all_reduce", self._devices):  # an error before the call takes its turn
+            return self._all_reduce(tensors, opts)
+
+    def _all_reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         op, factor = _operation(opts)
         devices = self._devices
         for tensor in tensors:
-            _check_dense(tensor, "all_reduce")
+            _check_reduced(tensor, op, "all_reduce")
         waits = opts is not None and not opts.asyncOp
-        if waits and devices is None and factor is None and len(tensors) == 1:
-            view = _small_view(tensors[0])
-            if view is not None:
-                # A small tensor reduced through its NumPy view: the array's compiled lane,
-                # and the result written back with NumPy, no torch tensor made on the way.
-                _write_back(tensors[0], view, mt.all_reduce(view, op).resolve(self._timeout).numpy())
-                return self._completed
         views = [_held_view(tensor) if factor is None else None for tensor in tensors]
         handles = [_start_all_reduce(tensor, view, op, devices, factor) for tensor, view in zip(tensors, views)]
         finish = _reduced_into(tensors, views)
@@ -153,52 +174,76 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
             # Work of its own and no second crossing into Python for wait().
             results = [handle.resolve(self._timeout) for handle in handles]
             del handles  # with them the inputs' copy-on-write clones (see Work.complete)
-            finish(results)
+            with torch.no_grad():  # a parameter is written as gloo writes it
+                finish(results)
             return self._completed
         return self._work(handles, finish, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """``dist.all_reduce_coalesced`` and the coalescing manager: one fused all-reduce."""
-        op, factor = _operation(opts)
-        for tensor in tensors:
-            _check_dense(tensor, "all_reduce_coalesced")
-        handle = mt.all_reduce(list(tensors), op, self._devices, prescale_factor=factor)
+        with mt.collective_call("all_reduce", self._devices):
+            op, factor = _operation(opts)
+            for tensor in tensors:
+                _check_reduced(tensor, op, "all_reduce_coalesced")
+            handle = mt.all_reduce(list(tensors), op, self._devices, prescale_factor=factor)
         return self._work([handle], lambda results: _copy_into(tensors)(results[0]), tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.reduce``: the root's tensor becomes the reduction; others are unchanged."""
-        op, factor = _operation(opts)
-        root = self._global(opts.rootRank)
-        tensor = _one(tensors, "reduce")
-        handle = mt.reduce(tensor, op, root=root, devices=self._devices, prescale_factor=factor)
+        with mt.collective_call("reduce", self._devices):
+            op, factor = _operation(opts)
+            root = self._global(opts.rootRank)
+            tensor = _one(tensors, "reduce")
+            _check_reduced(tensor, op, "reduce")
+            handle = mt.reduce(tensor, op, root=root, devices=self._devices, prescale_factor=factor)
         mine = self._global(self.rank()) == root
         return self._work([handle], _copy_into([tensor]) if mine else None, tensors)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any) -> Work:
         """``dist.reduce_scatter``: rank k gets the reduction of everyone's k-th tensor."""
-        output = _one(output_tensors, "reduce_scatter")
-        inputs = input_tensors[0]
-        _check_count(inputs, self.size(), "reduce_scatter", "input_list")
-        counts = [tensor.numel() for tensor in inputs]
-        flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
-        return self._reduce_scatter(output, flat, counts, opts)
+        with mt.collective_call("reduce_scatter", self._devices):
+            output = _one(output_tensors, "reduce_scatter")
+            inputs = _only(input_tensors, "reduce_scatter")
+            _check_count(inputs, self.size(), "reduce_scatter", "input_list", output.dtype)
+            counts = [tensor.numel() for tensor in inputs]
+            if output.numel() != counts[self.rank()]:
+                refuse("reduce_scatter", self._devices,
+                       f"reduce_scatter: rank {self._global(self.rank())}'s output has {output.numel()} elements, but "
+                       f"the input_list's tensor {self.rank()} (its block) has {counts[self.rank()]}")
+            flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
+            return self._reduce_scatter(output, flat, counts, opts)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:  # noqa: A002
         """``dist.reduce_scatter_tensor``: rank k gets block k of the reduced input."""
-        _check_dense(input, "reduce_scatter_tensor")
+        with mt.collective_call("reduce_scatter", self._devices):
+            self._check_scattered(output, input, "reduce_scatter_tensor")
+            return self._reduce_scatter(output, input.reshape(-1), None, opts)
+
+    def _check_scattered(self, output: torch.Tensor, input: torch.Tensor, what: str) -> None:  # noqa: A002
+        """Check a ``reduce_scatter_tensor``'s pair: dense, and the input the group's size times the output."""
+        _check_dense(input, what)
+        _check_dense(output, what)
+        _check_dtypes([input], output.dtype, what)
         if input.numel() != output.numel() * self.size():
-            raise ValueError(
-                f"reduce_scatter_tensor: the input has {input.numel()} elements, but the output's "
-                f"{output.numel()} times the group's {self.size()} ranks is {output.numel() * self.size()}"
-            )
-        return self._reduce_scatter(output, input.reshape(-1), None, opts)
+            refuse("reduce_scatter", self._devices,
+                   f"{what}: rank {self._global(self.rank())}'s input has {input.numel()} elements, but its "
+                   f"output's {output.numel()} times the group's {self.size()} ranks is {output.numel() * self.size()}")
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any) -> Work:
-        """Several ``reduce_scatter_tensor`` calls as one work (FSDP's coalesced form)."""
+        """Several ``reduce_scatter_tensor`` calls as one work (FSDP's coalesced form).
+
+        Every pair is checked before the first starts, so that the call never fails halfway.
+        """
+        with mt.collective_call("reduce_scatter", self._devices):
+            op = _operation(opts)[0]
+            _check_pairs(outputs, inputs, "reduce_scatter_tensor_coalesced")
+            for out, inp in zip(outputs, inputs):
+                self._check_scattered(out, inp, "reduce_scatter_tensor_coalesced")
+                _check_reduced(out, op, "reduce_scatter_tensor_coalesced")
         works = [self.reduce_scatter_single(out, inp, opts) for out, inp in zip(outputs, inputs)]
         return _joined(works, outputs, self)
 
@@ -207,7 +252,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def _reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, counts: list[int] | None,
                         opts: Any) -> Work:
         op, factor = _operation(opts)
-        _check_dense(output, "reduce_scatter")
+        _check_reduced(output, op, "reduce_scatter")
         if counts is not None and len(set(counts)) == 1:
             counts = None
         direct = None if _shares_memory(flat, output) else _direct_out(output, op)
@@ -219,11 +264,16 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.broadcast``: every rank's tensor becomes the root's, in place."""
-        root = self._global(opts.rootRank)
+        with mt.collective_call("broadcast", self._devices):
+            root = self._global(opts.rootRank)
+            for tensor in tensors:  # all of them before the first starts: never a call failed halfway
+                _check_dense(tensor, "broadcast")
+            return self._broadcast(tensors, root)
+
+    def _broadcast(self, tensors: list[torch.Tensor], root: int) -> Work:
         is_root = self._global(self.rank()) == root
         handles, copies = [], []
         for tensor in tensors:
-            _check_dense(tensor, "broadcast")
             view = _host_out(tensor)
             if is_root:
                 handles.append(mt.broadcast(tensor, root=root, devices=self._devices))
@@ -239,32 +289,53 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> Work:
-        """``dist.all_gather``: output k becomes rank k's input."""
-        outputs = output_tensors[0]
-        _check_count(outputs, self.size(), "all_gather", "tensor_list")
-        tensor = _one(input_tensors, "all_gather")
-        handle = mt.all_gather(tensor.reshape(-1), devices=self._devices)
+        """``dist.all_gather``: output k becomes rank k's input (sizes checked against every rank's outputs)."""
+        with mt.collective_call("all_gather", self._devices):
+            outputs = _only(output_tensors, "all_gather")
+            tensor = _one(input_tensors, "all_gather")
+            _check_count(outputs, self.size(), "all_gather", "tensor_list", tensor.dtype)
+            agree_all_gather(self._devices, self._global(self.rank()), tensor.numel(),
+                             [output.numel() for output in outputs], self._global)
+            handle = mt.all_gather(tensor.reshape(-1), devices=self._devices)
         return self._work([handle], _split_into(outputs), outputs)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:  # noqa: A002
-        """``dist.all_gather_into_tensor``: the ranks' inputs concatenated into `output`."""
-        _check_dense(input, "all_gather_into_tensor")
-        _check_dense(output, "all_gather_into_tensor")
-        if output.numel() != input.numel() * self.size():
-            raise ValueError(
-                f"all_gather_into_tensor: the output has {output.numel()} elements, but the input's "
-                f"{input.numel()} times the group's {self.size()} ranks is {input.numel() * self.size()}"
-            )
-        view = None if _shares_memory(input, output) else _host_out(output)  # FSDP gathers in place
-        out = None if view is None else view.reshape(-1)
-        handle = mt.all_gather(input.reshape(-1), devices=self._devices, out=out)
+        """``dist.all_gather_into_tensor``: the ranks' inputs concatenated into `output`.
+
+        Each rank's input is gathered as one row, so that the check compares the inputs'
+        sizes: ranks whose inputs differ get ``CollectiveMismatchError`` on every rank.
+        """
+        with mt.collective_call("all_gather", self._devices):
+            self._check_gathered(output, input, "all_gather_into_tensor")
+            view = None if _shares_memory(input, output) else _host_out(output)  # FSDP gathers in place
+            out = None if view is None else view.reshape(self.size(), input.numel())
+            handle = mt.all_gather(input.reshape(1, input.numel()), devices=self._devices, out=out)
         return self._work([handle], _copy_into([output]) if out is None else None, [output])
+
+    def _check_gathered(self, output: torch.Tensor, input: torch.Tensor, what: str) -> None:  # noqa: A002
+        """Check an ``all_gather_into_tensor``'s pair: dense, and the output the group's size times the input."""
+        _check_dense(input, what)
+        _check_dense(output, what)
+        _check_dtypes([input], output.dtype, what)
+        if output.numel() != input.numel() * self.size():
+            per_rank = f"{output.numel() // self.size()} from each" if output.numel() % self.size() == 0 else (
+                "no equal part from each")
+            refuse("all_gather", self._devices,
+                   f"{what}: rank {self._global(self.rank())}'s input has {input.numel()} elements, but its output "
+                   f"of {output.numel()} takes {per_rank} of the group's {self.size()} ranks")
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> Work:
-        """Several ``all_gather_into_tensor`` calls as one work (FSDP's coalesced form)."""
+        """Several ``all_gather_into_tensor`` calls as one work (FSDP's coalesced form).
+
+        Every pair is checked before the first starts, so that the call never fails halfway.
+        """
+        with mt.collective_call("all_gather", self._devices):
+            _check_pairs(outputs, inputs, "all_gather_into_tensor_coalesced")
+            for out, inp in zip(outputs, inputs):
+                self._check_gathered(out, inp, "all_gather_into_tensor_coalesced")
         works = [self.all_gather_single(out, inp, opts) for out, inp in zip(outputs, inputs)]
         return _joined(works, outputs, self)
 
@@ -272,56 +343,93 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> Work:
-        """``dist.all_to_all``: this rank's input j goes to rank j, as its output k from rank k."""
-        _check_count(input_tensors, self.size(), "all_to_all", "input_tensor_list")
-        _check_count(output_tensors, self.size(), "all_to_all", "output_tensor_list")
-        splits = [tensor.numel() for tensor in input_tensors]
-        flat = torch.cat([tensor.reshape(-1) for tensor in input_tensors])
-        even = len(set(splits)) == 1 and all(out.numel() == splits[0] for out in output_tensors)
-        handle = mt.all_to_all(flat, devices=self._devices, splits=None if even else splits)
+        """``dist.all_to_all``: this rank's input j goes to rank j, as its output k from rank k.
+
+        Each rank's output k is checked against what rank k sends it, before the data moves.
+        """
+        with mt.collective_call("all_to_all", self._devices):
+            dtype = input_tensors[0].dtype if input_tensors else None
+            _check_count(input_tensors, self.size(), "all_to_all", "input_tensor_list", dtype)
+            _check_count(output_tensors, self.size(), "all_to_all", "output_tensor_list", dtype)
+            splits = [tensor.numel() for tensor in input_tensors]
+            agree_all_to_all("all_to_all", self._devices, self._global(self.rank()), splits,
+                             [out.numel() for out in output_tensors], self._global, "output {k}")
+            flat = torch.cat([tensor.reshape(-1) for tensor in input_tensors])
+            # With splits on every rank whatever its sizes: whether all are equal is no rank's to know.
+            handle = mt.all_to_all(flat, devices=self._devices, splits=splits)
         return self._work([handle], _split_into(output_tensors), output_tensors)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> Work:
-        """``dist.all_to_all_single``: rows of dim 0 to each rank, evenly or by the split sizes."""
-        _check_dense(input, "all_to_all_single")
-        _check_dense(output, "all_to_all_single")
-        rows_in = input.reshape(input.shape[0] if input.dim() else 1, -1)
-        view = _host_out(output)
-        rows_out = output.shape[0] if output_split_sizes else rows_in.shape[0]
-        out = None if view is None else view.reshape(rows_out, -1)
-        if input_split_sizes or output_split_sizes:
-            splits = list(input_split_sizes) if input_split_sizes else _even(input.shape[0], self.size())
-            handle = mt.all_to_all(rows_in, devices=self._devices, splits=splits, out=out)
-        else:
-            handle = mt.all_to_all(rows_in, devices=self._devices, out=out)
+        """``dist.all_to_all_single``: rows of dim 0 to each rank, evenly or by the split sizes.
+
+        With split sizes (every rank passes them, or none does), each rank's output split
+        sizes are checked against what each rank sends it, before the data moves. Rows may
+        be zero on any rank (an expert with no tokens).
+        """
+        with mt.collective_call("all_to_all", self._devices):
+            _check_dense(input, "all_to_all_single")
+            _check_dense(output, "all_to_all_single")
+            _check_dtypes([input], output.dtype, "all_to_all_single")
+            rows_in, width = _rows(input)
+            rows_out, out_width = _rows(output)
+            if out_width != width:
+                raise ValueError(f"all_to_all_single: the input's rows have {width} elements, but the output's "
+                                 f"{out_width}; both must have the same shape beyond dim 0")
+            sent = _splits(input_split_sizes, rows_in, self.size(), "input")
+            expected = _splits(output_split_sizes, rows_out, self.size(), "output")
+            if input_split_sizes or output_split_sizes:
+                agree_all_to_all("all_to_all_single", self._devices, self._global(self.rank()), sent, expected,
+                                 self._global, "output_split_sizes[{k}]", "rows")
+            elif rows_out != rows_in:
+                refuse("all_to_all", self._devices,
+                       f"all_to_all_single: rank {self._global(self.rank())}'s output has {rows_out} rows, but its "
+                       f"input {rows_in}: without split sizes every rank sends and receives equal blocks")
+            view = _host_out(output)
+            out = None if view is None else view.reshape(rows_out, width)
+            rows = input.reshape(rows_in, width)
+            splits = sent if input_split_sizes or output_split_sizes else None
+            handle = mt.all_to_all(rows, devices=self._devices, splits=splits, out=out)
         return self._work([handle], _copy_into([output]) if out is None else None, [output])
 
     alltoall_base = all_to_all_single
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Work:
-        """``dist.gather``: the root's list gets every rank's input."""
-        root = self._global(opts.rootRank)
-        tensor = _one(input_tensors, "gather")
-        handle = mt.gather(tensor.reshape(-1), root, devices=self._devices)
-        if self._global(self.rank()) != root:
+        """``dist.gather``: the root's list gets every rank's input (sizes checked against the root's list)."""
+        with mt.collective_call("gather", self._devices):
+            root = self._global(opts.rootRank)
+            me = self._global(self.rank())
+            tensor = _one(input_tensors, "gather")
+            outputs = None
+            if me == root:
+                outputs = _only(output_tensors, "gather")
+                _check_count(outputs, self.size(), "gather", "gather_list", tensor.dtype)
+            agree_gather(self._devices, me, root, tensor.numel(),
+                         None if outputs is None else [output.numel() for output in outputs], self._global)
+            handle = mt.gather(tensor.reshape(-1), root, devices=self._devices)
+        if outputs is None:
             return self._work([handle], None, [])
-        outputs = output_tensors[0]
-        _check_count(outputs, self.size(), "gather", "gather_list")
         return self._work([handle], _split_into(outputs), outputs)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Work:
-        """``dist.scatter``: rank k's output becomes the root's k-th tensor."""
-        root = self._global(opts.rootRank)
-        output = _one(output_tensors, "scatter")
-        if self._global(self.rank()) == root:
-            inputs = input_tensors[0]
-            _check_count(inputs, self.size(), "scatter", "scatter_list")
-            flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
-            handle = mt.scatter(flat, root, devices=self._devices)
-        else:
-            handle = mt.scatter(None, root, shape=(output.numel() * self.size(),), dtype=output.dtype,
-                                devices=self._devices)
+        """``dist.scatter``: rank k's output becomes the root's k-th tensor (sizes checked against the outputs)."""
+        with mt.collective_call("scatter", self._devices):
+            root = self._global(opts.rootRank)
+            me = self._global(self.rank())
+            output = _one(output_tensors, "scatter")
+            inputs = None
+            if me == root:
+                inputs = _only(input_tensors, "scatter")
+                _check_count(inputs, self.size(), "scatter", "scatter_list", output.dtype)
+            sizes = agree_scatter(self._devices, me, root, None if inputs is None else [t.numel() for t in inputs],
+                                  output.numel())
+            counts = None if len(set(sizes)) == 1 else sizes  # every rank has the root's sizes
+            if inputs is not None:
+                flat = torch.cat([tensor.reshape(-1) for tensor in inputs])
+                handle = mt.scatter(flat, root, counts=counts, devices=self._devices)
+            else:
+                handle = mt.scatter(None, root, counts=counts, shape=(sum(sizes),), dtype=output.dtype,
+                                    devices=self._devices)
         return self._work([handle], _copy_into([output]), [output])
 
     def barrier(self, opts: Any = None) -> Work:
@@ -342,31 +450,69 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     # -- point to point ---------------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work:  # noqa: N803 - torch's names
-        """``dist.send``/``isend``: `tensors[0]` to group rank `dstRank`."""
-        tensor = _one(tensors, "send")
-        return self._work([mt.send(tensor, self._global(dstRank), tag=tag)], None, tensors)
+        """``dist.send``/``isend``: `tensors[0]` to group rank `dstRank` (flat; see `_p2p`).
+
+        Raises:
+            ValueError, TypeError: a tensor mpitensor cannot carry; the receiver gets an error too.
+        """
+        dest = self._global(dstRank)
+        try:
+            tensor = sendable(tensors, _check_dtype)
+        except (ValueError, TypeError) as exc:
+            send_notice(dest, tag, exc)
+            raise
+        return self._work([mt.send(tensor, dest, tag=tag)], None, tensors)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:  # noqa: N803 - torch's names
-        """``dist.recv``/``irecv``: `tensors[0]` becomes what group rank `srcRank` sent."""
-        tensor = _one(tensors, "recv")
+        """``dist.recv``/``irecv``: `tensors[0]` becomes what group rank `srcRank` sent (its elements, in order).
+
+        Raises:
+            ValueError, TypeError: a tensor mpitensor cannot write (the message is taken anyway).
+            CollectiveMismatchError: (at wait) the sender sent another number of elements or
+                dtype, or its send failed on its rank.
+        """
         source = self._global(srcRank)
-        view = _host_out(tensor)
+        try:
+            tensor = _one(tensors, "recv", contiguous=False)
+        except (ValueError, TypeError):
+            discard(source, tag)
+            raise
+        view = _host_out(tensor) if tensor.is_contiguous() else None
         if view is not None:
-            handle = mt.recv(None, source, tag=tag, out=view)
+            handle = mt.recv(None, source, tag=tag, out=view.reshape(-1))
             return self._work([handle], None, tensors)
-        handle = mt.recv(None, source, shape=tuple(tensor.shape), dtype=tensor.dtype, tag=tag)
-        return self._work([handle], _copy_into([tensor]), tensors)
+        handle = mt.recv(None, source, shape=(tensor.numel(),), dtype=tensor.dtype, tag=tag)
+        return self._work([handle], _received_into(tensor, source), tensors)
 
     # -- monitored_barrier's messages -------------------------------------------------------
+
+    def start_check(self) -> Any:
+        """monitored_barrier's checked call (a one-byte scan, which no other call of the group makes).
+
+        Every rank of a monitored_barrier makes it: a peer that makes another call there (a
+        ``dist.barrier``) is a ``CollectiveMismatchError`` on every rank, not a wait.
+        """
+        return mt.scan(np.zeros(1, np.uint8), mt.ReduceOperation.SUM, devices=self._devices)
 
     def arrive(self, root: int) -> Any:
         """A token to `root` (monitored_barrier's arrival); returns the send's handle."""
         return mt.send(np.ones(1, np.uint8), self._global(root), tag=_ARRIVE_TAG)
 
     def expect(self, source: int, release: bool = False) -> Any:
-        """The pending receipt of `source`'s token (an arrival, or the root's release)."""
+        """The pending receipt of `source`'s token (an arrival, or the root's release).
+
+        A receipt an earlier monitored_barrier left posted (it failed before the token came)
+        is this one: it takes the next token, which this call's peer sends.
+        """
+        kept = self._tokens.pop((source, release), None)
+        if kept is not None:
+            return kept
         tag = _RELEASE_TAG if release else _ARRIVE_TAG
         return mt.recv(None, self._global(source), shape=(1,), dtype=np.uint8, tag=tag)
+
+    def keep(self, source: int, receipt: Any, release: bool = False) -> None:
+        """Keep a posted receipt of `source`'s token that a failed monitored_barrier leaves, for the next."""
+        self._tokens[(source, release)] = receipt
 
     def release(self, rank: int) -> Any:
         """The root's release of `rank` from monitored_barrier; returns the send's handle."""
@@ -380,36 +526,102 @@ def _operation(opts: Any) -> tuple[mt.ReduceOperation, float | None]:
     return reduce_operation(opts.reduceOp) if opts is not None else (mt.ReduceOperation.SUM, None)
 
 
-def _check_dense(tensor: torch.Tensor, what: str) -> None:
+# Why mpitensor cannot carry a dtype (None where it can), found once per dtype.
+_DTYPE_PROBLEMS: dict[torch.dtype, str | None] = {}
+_BITWISE = frozenset({mt.ReduceOperation.BAND, mt.ReduceOperation.BOR, mt.ReduceOperation.BXOR})
+
+
+def _check_dtype(dtype: torch.dtype, what: str) -> None:
+    """Refuse a dtype mpitensor cannot carry (no NumPy counterpart), before any call starts."""
+    problem = _DTYPE_PROBLEMS.get(dtype, "")
+    if problem == "":
+        try:
+            numpy_dtype(dtype)
+            problem = None
+        except TypeError as exc:
+            problem = str(exc)
+        _DTYPE_PROBLEMS[dtype] = problem
+    if problem is not None:
+        raise TypeError(f"{what}: {problem}")
+
+
+def _check_dense(tensor: torch.Tensor, what: str, contiguous: bool = True) -> None:
     if tensor.layout is not torch.strided:
         raise ValueError(f"{what}: the mpitensor backend takes dense tensors, got one with layout {tensor.layout}")
-    if not tensor.is_contiguous():
+    if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{what}: tensors must be contiguous; pass tensor.contiguous()")
+    _check_dtype(tensor.dtype, what)
 
 
-def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+def _check_reduced(tensor: torch.Tensor, op: mt.ReduceOperation, what: str) -> None:
+    """`_check_dense`, and a bitwise operation only on integers and bools (mpitensor's rule, checked first)."""
+    _check_dense(tensor, what)
+    if op in _BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"{what}: {op.name} is a bitwise reduction, defined for integer and bool tensors only, "
+                        f"got {tensor.dtype}")
+
+
+def _one(tensors: Sequence[torch.Tensor], what: str, contiguous: bool = True) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"{what}: the mpitensor backend takes one tensor per call, got {len(tensors)}")
-    _check_dense(tensors[0], what)
+    _check_dense(tensors[0], what, contiguous)
     return tensors[0]
 
 
-def _check_count(tensors: Sequence[torch.Tensor], size: int, what: str, argument: str) -> None:
+def _only(lists: Sequence[Any], what: str) -> Any:
+    """The one list of torch's list of lists."""
+    if len(lists) != 1:
+        raise ValueError(f"{what}: the mpitensor backend takes one list of tensors per call, got {len(lists)}")
+    return lists[0]
+
+
+def _check_count(tensors: Sequence[torch.Tensor], size: int, what: str, argument: str,
+                 dtype: torch.dtype | None = None) -> None:
     if len(tensors) != size:
         raise ValueError(f"{what}: {argument} has {len(tensors)} tensors, but the group has {size} ranks")
     for tensor in tensors:
         _check_dense(tensor, what)
+    if dtype is not None:
+        _check_dtypes(tensors, dtype, what, argument)
 
 
-def _even(rows: int, size: int) -> list[int]:
-    if rows % size:
-        raise ValueError(f"all_to_all_single: {rows} rows do not split evenly over {size} ranks; pass split sizes")
-    return [rows // size] * size
+def _check_dtypes(tensors: Sequence[torch.Tensor], dtype: torch.dtype, what: str, argument: str = "the input") -> None:
+    for tensor in tensors:
+        if tensor.dtype != dtype:
+            raise TypeError(f"{what}: {argument} has a tensor of {tensor.dtype}, but the call's tensors are "
+                            f"{dtype}; pass tensors of one dtype")
+
+
+def _check_pairs(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], what: str) -> None:
+    if len(outputs) != len(inputs):
+        raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs; pass one output per input")
+
+
+def _rows(tensor: torch.Tensor) -> tuple[int, int]:
+    """A tensor's rows (dim 0) and the elements of each (a 0-d tensor: one row of one)."""
+    if tensor.dim() == 0:
+        return 1, 1
+    return tensor.shape[0], math.prod(tensor.shape[1:])
+
+
+def _splits(given: Sequence[int], rows: int, size: int, which: str) -> list[int]:
+    """``all_to_all_single``'s rows to (or from) each rank: the split sizes given, or equal blocks."""
+    if not given:
+        if rows % size:
+            raise ValueError(f"all_to_all_single: the {which}'s {rows} rows do not split evenly over {size} ranks; "
+                             "pass split sizes")
+        return [rows // size] * size
+    splits = [int(n) for n in given]
+    if len(splits) != size or min(splits) < 0 or sum(splits) != rows:
+        raise ValueError(f"all_to_all_single: {which}_split_sizes {splits} must be {size} non-negative numbers "
+                         f"(one per rank) summing to the {which}'s {rows} rows")
+    return splits
 
 
 def _host_out(tensor: torch.Tensor) -> np.ndarray | None:
-    """A NumPy view to write `tensor`'s result into directly (a CPU tensor), else None."""
-    if tensor.device.type != "cpu" or tensor.dtype is torch.bool or tensor.requires_grad:
+    """A NumPy view to write `tensor`'s result into directly (a plain CPU tensor), else None."""
+    if (tensor.device.type != "cpu" or tensor.dtype is torch.bool or tensor.requires_grad or tensor.is_conj()
+            or tensor.is_neg()):
         return None
     try:
         return host_view(tensor)
@@ -484,9 +696,24 @@ def _reduced_into(tensors: Sequence[torch.Tensor], views: Sequence[np.ndarray | 
     return finish
 
 
+def _small_call(tensor: torch.Tensor, opts: Any) -> tuple[np.ndarray, mt.ReduceOperation] | None:
+    """The view and operation of a small synchronous all-reduce that no check of ours or mpitensor's can refuse.
+
+    None sends the call the general way, where every check runs inside the call's door.
+    """
+    view = _small_view(tensor)
+    if view is None or not tensor.is_contiguous():
+        return None
+    op = known_operation(opts.reduceOp)
+    if op is None or (op in _BITWISE and view.dtype.kind not in "biu"):
+        return None
+    return view, op
+
+
 def _small_view(tensor: torch.Tensor) -> np.ndarray | None:
     """A NumPy view of a small CPU tensor NumPy can show as it is (no grad, no conjugate or negative bit); else None."""
-    if type(tensor) is not torch.Tensor or not tensor.is_cpu or tensor.nbytes > _SMALL_BYTES:
+    if (type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or not tensor.is_cpu
+            or tensor.nbytes > _SMALL_BYTES):
         return None
     try:
         return tensor.numpy()
@@ -506,6 +733,17 @@ def _copy_into(tensors: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:
     def finish(results: list[Any]) -> None:
         for tensor, result in zip(tensors, results):
             _copy_one(tensor, result)
+
+    return finish
+
+
+def _received_into(tensor: torch.Tensor, source: int) -> Callable[[list[Any]], None]:
+    """What writes a received message into `tensor`, or raises the error of a sender's notice."""
+    def finish(results: list[Any]) -> None:
+        error = notice_error(results[0], source)
+        if error is not None:
+            raise error
+        _copy_one(tensor, results[0])
 
     return finish
 

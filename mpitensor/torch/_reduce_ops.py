@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import mpitensor as mt
 
-__all__ = ["reduce_operation"]
+__all__ = ["known_operation", "reduce_operation"]
 
 # Keyed by the enum's integer value: comparing torch's enum objects costs a microsecond.
 _KINDS = {
@@ -24,6 +24,11 @@ _KINDS = {
     )
 }
 _PREMUL_SUM = dist.ReduceOp.PREMUL_SUM.value
+
+
+def known_operation(op: dist.ReduceOp) -> mt.ReduceOperation | None:
+    """The mpitensor operation for torch's `op` where it has no factor; None for ``PREMUL_SUM`` (never raises)."""
+    return _KINDS.get((op.op if type(op) is dist.ReduceOp else op).value)
 
 
 def reduce_operation(op: dist.ReduceOp) -> tuple[mt.ReduceOperation, float | None]:

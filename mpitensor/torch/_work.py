@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ._completer import Completer, HookFuture
 
-__all__ = ["Work", "done_work", "finished_work"]
+__all__ = ["Work", "done_work", "finished_work", "waited"]
 
 
 class Work(dist.Work):
@@ -88,7 +88,8 @@ class Work(dist.Work):
                     # when finish writes an input in place, torch would copy it first.
                     self._handles = ()
                     if self._finish is not None:
-                        self._finish(results)
+                        with torch.no_grad():  # a parameter's values are written as gloo writes them
+                            self._finish(results)
                 except BaseException as exc:
                     self._error = exc
                 self._finished = True
@@ -195,3 +196,24 @@ def finished_work(completer: Completer, outputs: Any = ()) -> Any:
     future: Any = torch.futures.Future()
     future.set_result(list(outputs))
     return _create_work_from_future(future)
+
+
+class _Waited:
+    """A torch work seen as a handle of `Work`: resolving it waits for the work, testing it polls."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+
+    def resolve(self, timeout: float | None = None) -> None:
+        if timeout:
+            self._work.wait(timedelta(seconds=timeout))
+        else:
+            self._work.wait()
+
+    def test(self) -> bool:
+        return self._work.is_completed()
+
+
+def waited(work: dist.Work) -> Any:
+    """`work` as a handle a `Work` holds (its ``resolve`` waits for it, its ``test`` polls it)."""
+    return _Waited(work)
