@@ -64,16 +64,24 @@ def _setup_failure(failures: list[tuple[int, tuple[str, str, str]]], own: int | 
         own: this rank's world rank when it failed too, else None.
     """
     cls = _shared_class(*failures[0][1][:2])
+    alike: dict[tuple[str, str], list[int]] = {}  # ranks that failed with the same error, said once
+    for rank, (name, _, message) in failures:
+        alike.setdefault((name, message), []).append(rank)
 
-    def said(name: str, message: str) -> str:
-        return message if name == cls.__name__ else f"{name}: {message}"
+    def said(error: tuple[str, str]) -> str:
+        return error[1] if error[0] == cls.__name__ else f"{error[0]}: {error[1]}"
 
-    others = "; ".join(f"rank {rank}: {said(name, message)}" for rank, (name, _, message) in failures if rank != own)
+    def ranks(numbers: list[int]) -> str:
+        return f"rank {numbers[0]}" if len(numbers) == 1 else "ranks " + ", ".join(map(str, numbers))
+
     if own is not None:
-        name, _, message = next(row for rank, row in failures if rank == own)
-        text = said(name, message) + (f" (and {others})" if others else "")
+        mine = next(error for error, numbers in alike.items() if own in numbers)
+        same = [rank for rank in alike[mine] if rank != own]
+        others = "; ".join(f"{ranks(numbers)}: {said(error)}" for error, numbers in alike.items() if error != mine)
+        text = said(mine) + (f" (likewise on {ranks(same)})" if same else "") + (f" (and {others})" if others else "")
     else:
         why = "which cannot have their device" if cls is DeviceError else "so it fails on this rank too"
+        others = "; ".join(f"{ranks(numbers)}: {said(error)}" for error, numbers in alike.items())
         text = f"DistributedContext.init failed on other ranks, {why}: {others}"
     try:
         return cls(text)

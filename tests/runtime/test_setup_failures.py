@@ -31,8 +31,7 @@ import os
 import sys
 import numpy as np
 import mpitensor as mt
-from mpi4py import MPI
-rank = MPI.COMM_WORLD.Get_rank()
+rank = int(_rank())  # from the launcher's environment: MPI is not initialized before init
 {setup}
 try:
     mt.DistributedContext.init(config=config)
@@ -136,3 +135,24 @@ config = mt.DistributedConfig(trace={str(missing)!r})
     assert _raised(result, 0) == ("ValueError", f"{trace} (and rank 1: {timeout})")
     assert _raised(result, 1) == ("ValueError", f"{timeout} (and rank 0: {trace})")
     assert result.reported("next") == ["next True"] * 2
+
+
+def test_ranks_that_fail_alike_are_named_once_at_three_ranks(tmp_path):
+    # progress=True under a thread level that cannot have a progress thread fails ranks 0 and 1;
+    # rank 2 fails first on its bad MPITENSOR_TIMEOUT.
+    setup = """
+if rank == 2:
+    os.environ["MPITENSOR_TIMEOUT"] = "-1"
+config = mt.DistributedConfig(progress=True)
+"""
+    result = run_job(_failed_init(setup, "os.environ.pop('MPITENSOR_TIMEOUT', None)"), 3, timeout=120,
+                     tmp_path=tmp_path, env={"MPITENSOR_THREAD_LEVEL": "serialized"})
+    assert result.returncode == 0, result.output
+    assert result.seconds < PROMPT_S, f"took {result.seconds:.1f} s"
+    progress = ("DistributedConfig(progress=True) needs MPI_THREAD_MULTIPLE, but MPI provides serialized; unset "
+                "MPITENSOR_THREAD_LEVEL or use progress=False")
+    timeout = "MPITENSOR_TIMEOUT must be a positive number of seconds, got '-1'"
+    assert _raised(result, 0) == ("ValueError", f"{progress} (likewise on rank 1) (and rank 2: {timeout})")
+    assert _raised(result, 1) == ("ValueError", f"{progress} (likewise on rank 0) (and rank 2: {timeout})")
+    assert _raised(result, 2) == ("ValueError", f"{timeout} (and ranks 0, 1: {progress})")
+    assert result.reported("next") == ["next True"] * 3
