@@ -130,7 +130,8 @@ config = mt.DistributedConfig(trace={str(missing)!r})
                      tmp_path=tmp_path)
     assert result.returncode == 0, result.output
     assert result.seconds < PROMPT_S, f"took {result.seconds:.1f} s"
-    trace = f"trace={str(missing)!r}: the folder {missing.parent} does not exist on rank 0; create it or trace elsewhere"
+    trace = (f"trace={str(missing)!r}: the folder {missing.parent} does not exist on rank 0; create it or trace "
+             "elsewhere")
     timeout = "MPITENSOR_TIMEOUT must be a positive number of seconds, got 'soon'"
     assert _raised(result, 0) == ("ValueError", f"{trace} (and rank 1: {timeout})")
     assert _raised(result, 1) == ("ValueError", f"{timeout} (and rank 0: {trace})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -9,11 +10,17 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
+import types
+import warnings
 
+import numpy as np
 import pytest
 
+import mpitensor as mt
 from mpitensor.__main__ import main as cli_main
-from mpitensor._runtime.tracing import files
+from mpitensor._core.mpi import MPI
+from mpitensor._runtime.tracing import files, flight
 from mpitensor._runtime.tracing.files import read_dumps, write_part, write_trace
 from mpitensor._runtime.tracing.stragglers import summarize
 from tests.runtime.test_trace_report import straggler_run
@@ -169,3 +176,33 @@ def test_printing_a_summary_prints_its_report(capsys):
     assert out == summary.text() + "\n"
     assert "rank 2 arrived last at 80% of all_reduces" in out
     assert repr(summary).startswith("TraceSummary(size=3, ranks=(RankStats(rank=0")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_flight_recorder_without_its_thread_warns_and_the_context_works(tmp_path, monkeypatch):
+    class NoThread(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    path = MPI.COMM_WORLD.bcast(str(tmp_path / "trace.json"), root=0)
+    if rank == 1:
+        monkeypatch.setattr(flight, "threading", types.SimpleNamespace(Thread=NoThread, Lock=threading.Lock))
+    expected = pytest.warns(RuntimeWarning, match="flight recorder cannot start its listener") if rank == 1 \
+        else _no_flight_warning()
+    with expected:
+        ctx = mt.DistributedContext.init(config=mt.DistributedConfig(trace=path))
+    with ctx:
+        inputs = [np.arange(3.0) + r for r in range(ctx.size)]
+        total = mt.all_reduce(inputs[ctx.rank]).resolve().numpy()
+        np.testing.assert_array_equal(total, np.sum(inputs, axis=0))
+    MPI.COMM_WORLD.Barrier()
+    assert [dump["rank"] for dump in read_dumps(path)] == list(range(ctx.size))
+
+
+@contextlib.contextmanager
+def _no_flight_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    assert not [w for w in caught if "flight recorder" in str(w.message)]
