@@ -581,6 +581,9 @@ def _check_count(tensors: Sequence[torch.Tensor], size: int, what: str, argument
         raise ValueError(f"{what}: {argument} has {len(tensors)} tensors, but the group has {size} ranks")
     for tensor in tensors:
         _check_dense(tensor, what)
+        if tensor.device != tensors[0].device:  # torch.cat would refuse them after the sizes' exchange
+            raise ValueError(f"{what}: {argument} has tensors on {tensors[0].device} and {tensor.device}; "
+                             "pass tensors on one device")
     if dtype is not None:
         _check_dtypes(tensors, dtype, what, argument)
 
