@@ -189,7 +189,9 @@ def all_reduce(x: Any, op: mt.ReduceOperation | str = "sum", *, devices: Devices
 
     Raises:
         ValueError: `op` is not a reduction.
-        TypeError: ``mean`` of an integer array.
+        TypeError: ``mean`` of an integer array, a bitwise op of a floating one, or a dtype the
+            collective cannot communicate (packed sub-byte, float8, float0: see docs/jax.md),
+            raised as the call is traced.
         NoContextError: no context is open.
     """
     return all_reduce_p.bind(_array(x), op=_op(op), devices=_devices(devices), adjoint=False)
@@ -208,6 +210,8 @@ def broadcast(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
         The root's array, on every rank.
 
     Raises:
+        TypeError: a dtype the collective cannot communicate (packed sub-byte, float8, float0:
+            see docs/jax.md), raised as the call is traced.
         NoContextError: no context is open.
     """
     return broadcast_p.bind(_array(x), root=_root(root), devices=_devices(devices))
@@ -228,6 +232,8 @@ def reduce(x: Any, op: mt.ReduceOperation | str = "sum", root: Any = 0, *, devic
         result has one shape on every rank).
 
     Raises:
+        TypeError: a dtype the collective cannot communicate (packed sub-byte, float8, float0:
+            see docs/jax.md), raised as the call is traced.
         ValueError: `op` is not a reduction.
         NoContextError: no context is open.
     """
@@ -249,6 +255,8 @@ def all_gather(x: Any, *, tiled: bool = False, devices: Devices = None) -> Any:
         An array of shape ``(size, *x.shape)``, or ``(size * x.shape[0], *x.shape[1:])`` tiled.
 
     Raises:
+        TypeError: a dtype the collective cannot communicate (packed sub-byte, float8, float0:
+            see docs/jax.md), raised as the call is traced.
         NoContextError: no context is open.
     """
     x = _array(x)
@@ -268,6 +276,8 @@ def reduce_scatter(x: Any, op: mt.ReduceOperation | str = "sum", *, devices: Dev
         This rank's block: ``x.shape[0] // size`` rows.
 
     Raises:
+        TypeError: a dtype the collective cannot communicate (packed sub-byte, float8, float0:
+            see docs/jax.md), raised as the call is traced.
         ValueError: `op` is not a reduction, or the first axis does not divide.
         NoContextError: no context is open.
     """
@@ -286,6 +296,8 @@ def all_to_all(x: Any, *, devices: Devices = None) -> Any:
         An array of `x`'s shape.
 
     Raises:
+        TypeError: a dtype the collective cannot communicate (packed sub-byte, float8, float0:
+            see docs/jax.md), raised as the call is traced.
         ValueError: the first axis does not divide by the group's size.
         NoContextError: no context is open.
     """
@@ -306,6 +318,8 @@ def gather(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
         (a compiled program's result has one shape per rank).
 
     Raises:
+        TypeError: a dtype the collective cannot communicate (packed sub-byte, float8, float0:
+            see docs/jax.md), raised as the call is traced.
         NoContextError: no context is open.
     """
     return gather_p.bind(_array(x), root=_root(root), devices=_devices(devices))
@@ -325,6 +339,8 @@ def scatter(x: Any, root: Any = 0, *, devices: Devices = None) -> Any:
         This rank's row, of ``shape``.
 
     Raises:
+        TypeError: a dtype the collective cannot communicate (packed sub-byte, float8, float0:
+            see docs/jax.md), raised as the call is traced.
         ValueError: the root's first axis is not the group's size.
         NoContextError: no context is open.
     """
@@ -345,6 +361,8 @@ def scan(x: Any, op: mt.ReduceOperation | str = "sum", *, exclusive: bool = Fals
         An array of `x`'s shape and dtype.
 
     Raises:
+        TypeError: a dtype the collective cannot communicate (packed sub-byte, float8, float0:
+            see docs/jax.md), raised as the call is traced.
         ValueError: `op` is not a reduction.
         NoContextError: no context is open.
     """
@@ -381,6 +399,8 @@ def sendrecv(sendbuf: Any, recvbuf: Any, source: Any, dest: Any, *, tag: int = 0
         A new array: what `source` sent.
 
     Raises:
+        TypeError: a dtype the collective cannot communicate (packed sub-byte, float8, float0:
+            see docs/jax.md), raised as the call is traced.
         NoContextError: no context is open.
     """
     template = jnp.asarray(recvbuf)

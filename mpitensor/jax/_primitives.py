@@ -19,7 +19,7 @@ from jax._src.core import abstract_token
 from jax.extend.core import Primitive
 from jax.interpreters import mlir, xla
 
-from . import _handler, _runners
+from . import _dtypes, _handler, _runners
 from ._effect import COLLECTIVE
 
 Shape = Callable[..., tuple[int, ...]]
@@ -28,25 +28,26 @@ Shape = Callable[..., tuple[int, ...]]
 def make(kind: str, shape: Shape) -> Primitive:
     """A primitive for the collective `kind`, whose result shape `shape(in_shape, **params)` gives.
 
-    The result has the input's dtype, or ``params["recv_dtype"]`` where the call names one.
+    The result has the input's dtype, or ``params["recv_dtype"]`` where the call names one;
+    a dtype the collective cannot communicate raises `TypeError` as the call is traced
+    (`_dtypes.checked`).
     """
     primitive = Primitive(f"mpitensor_{kind}")
     primitive.def_impl(functools.partial(xla.apply_primitive, primitive))
 
     def abstract(x: Any, **params: Any) -> tuple[Any, set[Any]]:
-        dtype = np.dtype(params.get("recv_dtype", x.dtype))
-        result = jax.core.ShapedArray(shape(x.shape, **params), _result_dtype(kind, dtype, params))
+        # Checked here, while the call is traced inside its door: a dtype refused later (as
+        # the program is lowered or run) would leave the peers' calls without this rank's turn.
+        op = params.get("op")
+        dtype = _dtypes.checked(kind, np.dtype(x.dtype), op)
+        if "recv_dtype" in params:
+            dtype = _dtypes.checked(kind, np.dtype(params["recv_dtype"]), op)
+        result = jax.core.ShapedArray(shape(x.shape, **params), dtype)
         return result, set() if params.get("adjoint") else {COLLECTIVE}
 
     primitive.def_effectful_abstract_eval(abstract)
     mlir.register_lowering(primitive, functools.partial(_lower, kind), platform="cpu")
     return primitive
-
-
-def _result_dtype(kind: str, dtype: np.dtype, params: dict[str, Any]) -> np.dtype:
-    if params.get("op") == "mean" and not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
-        raise TypeError(f"mpitensor.jax.{kind} with op='mean' needs a floating or complex array, got {dtype}")
-    return dtype
 
 
 def _lower(kind: str, ctx: Any, x: Any, **params: Any) -> list[Any]:

@@ -17,7 +17,8 @@ The rules, per collective (each rank differentiates its own program):
   source and dest swapped).
 
 Every collective is linear in its input (for the ops above), so its JVP is the collective
-of the tangent. vmap runs one collective on the whole batch: element-wise collectives keep
+of the tangent; the tangent of an integer or bool value (float0, no data) gives a float0
+zero without a collective. vmap runs one collective on the whole batch: element-wise collectives keep
 the batch axis where it is; those that cut or join along the first axis move it to axis 1.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
@@ -47,7 +49,10 @@ def linear(primitive: Primitive, transpose: Transpose, *, ops: tuple[str, ...] |
     def jvp(primals: Any, tangents: Any, **params: Any) -> tuple[Any, Any]:
         _differentiable(primitive, params, ops)
         (x,), (t,) = primals, tangents
-        return primitive.bind(x, **params), primitive.bind(ad.instantiate_zeros(t), **params)
+        result = primitive.bind(x, **params)
+        if _holds_no_data(t):  # an integer or bool input's: every rank's result's is zero too
+            return result, ad.Zero(jax.core.ShapedArray(result.shape, jax.dtypes.float0))
+        return result, primitive.bind(ad.instantiate_zeros(t), **params)
 
     def transposed(cotangent: Any, x: Any, **params: Any) -> tuple[Any]:
         _differentiable(primitive, params, ops)
@@ -55,6 +60,12 @@ def linear(primitive: Primitive, transpose: Transpose, *, ops: tuple[str, ...] |
 
     ad.primitive_jvps[primitive] = jvp
     ad.primitive_transposes[primitive] = transposed
+
+
+def _holds_no_data(tangent: Any) -> bool:
+    """True for a float0 tangent (of an integer or bool value): nothing to communicate."""
+    aval = tangent.aval if isinstance(tangent, ad.Zero) else tangent
+    return aval.dtype == jax.dtypes.float0
 
 
 def _differentiable(primitive: Primitive, params: dict[str, Any], ops: tuple[str, ...] | None) -> None:

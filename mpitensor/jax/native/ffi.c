@@ -55,8 +55,12 @@ static int numpy_type(XLA_FFI_DataType dtype) {
     }
 }
 
+/* The bytes of one element; 0 for the types XLA packs several to a byte. */
 static size_t element_bytes(XLA_FFI_DataType dtype) {
     switch (dtype) {
+    case XLA_FFI_DataType_S1: case XLA_FFI_DataType_S2: case XLA_FFI_DataType_S4:
+    case XLA_FFI_DataType_U1: case XLA_FFI_DataType_U2: case XLA_FFI_DataType_U4:
+    case XLA_FFI_DataType_F4E2M1FN: return 0;
     case XLA_FFI_DataType_BF16: case XLA_FFI_DataType_F16:
     case XLA_FFI_DataType_S16: case XLA_FFI_DataType_U16: return 2;
     case XLA_FFI_DataType_S32: case XLA_FFI_DataType_U32: case XLA_FFI_DataType_F32: return 4;
@@ -81,6 +85,13 @@ static PyObject *view(const XLA_FFI_Buffer *buffer, int writable) {
         return PyArray_New(&PyArray_Type, (int)buffer->rank, dims, type, NULL, buffer->data, 0, flags, NULL);
     }
     npy_intp nbytes = (npy_intp)element_bytes(buffer->dtype);
+    if (nbytes == 0) {
+        /* The collectives refuse these types as they are traced (mpitensor/jax/_dtypes.py):
+         * a view of one byte per element would reach past XLA's buffer. */
+        PyErr_Format(PyExc_TypeError, "mpitensor.jax: XLA data type %d is packed several values to a byte, "
+                     "which no collective moves", (int)buffer->dtype);
+        return NULL;
+    }
     for (int64_t i = 0; i < buffer->rank; i++) nbytes *= (npy_intp)buffer->dims[i];
     return PyArray_New(&PyArray_Type, 1, &nbytes, NPY_UINT8, NULL, buffer->data, 0, flags, NULL);
 }
