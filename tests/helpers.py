@@ -235,6 +235,13 @@ def same(got: object, expected: np.ndarray) -> bool:
     return bool(np.array_equal(array.reshape(-1).view(np.uint8), expected.reshape(-1).view(np.uint8)))
 
 
+def kept_plan(ctx: mt.DistributedContext, *key: object) -> object:
+    """The plan `ctx` keeps for calls of kind `key` (its plan cache's key), or None."""
+    from mpitensor._collectives.plans import find_plan
+
+    return find_plan(ctx, key)
+
+
 def still_usable(ctx: mt.DistributedContext) -> None:
     """Assert that a small all-reduce over the whole context still gives the right sum (after a misuse)."""
     assert mt.all_reduce(np.ones(3)).resolve().numpy().tolist() == [float(ctx.size)] * 3

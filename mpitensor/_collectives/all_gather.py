@@ -16,6 +16,7 @@ from .._transport import mpi
 from .common import CollectiveTensor, Later, context_for, follow, result_device, start, take_input
 from .gpu_host import staged
 from .grouped import grouped_all_gather, is_structure
+from .held import held_call
 from .layout import displacements, to_front
 from .options import axis_arg, output_buffer, output_tensor, protect_output, refuse_on_gpu
 
@@ -28,6 +29,7 @@ def all_gather(
     axis: int = 0,
     devices: DevicesArg = None,
     out: Any = None,
+    held: bool = False,
 ) -> CollectiveTensor:
     """Start an all-gather and return at once; every rank gets the concatenation.
 
@@ -41,6 +43,11 @@ def all_gather(
         devices: the group; None for every rank of the context.
         out: a host Tensor or NumPy array to write the result into (a wrong length
             along `axis` is raised at resolve); see docs/options.md.
+        held: the caller holds `input` (a host NumPy array) and `out` until the result is
+            resolved: MPI's blocking call moves the data between them once the check agreed
+            (see `_collectives/held.py`); `out` is then a writable array of the input's
+            dtype and the group's size times its size (rank k's input its k-th part), not
+            overlapping the input.
 
     Returns:
         A `CollectiveTensor` resolving to the concatenated tensor, in group order.
@@ -51,6 +58,9 @@ def all_gather(
         CollectiveMismatchError: the ranks disagree on dtype, the other dimensions,
             axis or group.
     """
+    if held:
+        return held_call("all_gather", input, out, -1, None, devices,
+                         lambda: all_gather(input, axis=axis, devices=devices, out=out))
     ctx = context_for("all_gather")
     if is_structure(input):
         return grouped_all_gather(ctx, input, axis, devices, out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -9,34 +10,29 @@ import numpy as np
 from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import reduce_plan
 from .._core.interop import refuse_int_overflow
+from .._core.limits import HELD_INTO_BYTES, SMALL_BYTES
 from .._core.state import open_contexts
 from .._core.tensor import Tensor, array_of
 from .._runtime.check import shared_record
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group
-from .._runtime.entry import collective_entry
-from .._runtime.ordering import wait_for_compiled
 from .._transport.base import HeldBuffers, ReduceCall, select
-from .._transport.mpi import SMALL_BYTES
 from .._transport.select import ALL_REDUCE, ALL_REDUCE_CHECKED, HELD_ALL_REDUCE
 from .common import PLAIN_DTYPES, CollectiveTensor, Input, check_record, context_for, follow, result_device, take_input
 from .fused import fused_all_reduce
 from .gpu_host import staged
 from .gpu_staged import gpu_all_reduce
-from .lane import keep_lane, start_reduction
+from .lane import CopiedInto, held_key, keep_lane, lane_key, start_reduction, written_into
 from .native import compiled_held_lane
 from .options import make_record, refuse_for_structure, refuse_on_gpu
+from .plans import find_plan, keep_plan
 from .reduce_options import all_reduce_with_options
 
-__all__ = ["HELD_LANES", "SMALL_BYTES", "all_reduce", "all_reduce_held", "held_lane"]
+__all__ = ["all_reduce", "held_plan_runner"]
 
-# The check's option that tells `all_reduce_held`'s calls apart: in place, or into `out`.
+# The check's option that tells held calls apart: in place, or into `out`.
 _HELD = (("in_place", 1),)
 _HELD_INTO = (("in_place", 0),)
-# Where `all_reduce_held`'s compiled lanes are kept (the full group's extra state), by
-# (dtype, shape, op argument, into): None for a kind that has none.
-HELD_LANES = "all_reduce_held lanes"
-_MAX_HELD_LANES = 256
 
 
 def all_reduce(
@@ -47,6 +43,7 @@ def all_reduce(
     out: Any = None,
     prescale_factor: Any = None,
     postscale_factor: Any = None,
+    held: bool = False,
 ) -> CollectiveTensor:
     """Start an all-reduce (``MPI_Iallreduce``) and return at once.
 
@@ -65,16 +62,27 @@ def all_reduce(
         out: a host Tensor or NumPy array to write the result into (not for a list).
         prescale_factor, postscale_factor: multiply each rank's input before, and the
             result after, the reduction (Horovod's semantics; integers take integer factors).
+        held: the caller holds `input` (a host NumPy array) and `out` until the result is
+            resolved: nobody writes the input or reads `out` meanwhile (torch's contract for
+            a collective's tensors; XLA's buffers inside a compiled program). MPI then reads
+            the input where it is, neither protected nor copied, and the result lands in
+            `out`, or in the input itself when `out` is None (in place). Once the check has
+            agreed, the data moves in MPI's blocking all-reduce. Not with scale factors.
 
     Returns:
         A `CollectiveTensor`; its `resolve()` gives the result.
 
     Raises:
         TypeError: `input` is not a tensor or array, or its dtype cannot be reduced.
-        ValueError: bad `op` or `devices`.
+        ValueError: bad `op` or `devices`; a held call's `out` of another shape or dtype, or
+            overlapping the input.
         CollectiveMismatchError: the ranks disagree on shape, dtype, op or group.
         NoContextError, ContextClosedError, ContextBrokenError: no usable context.
     """
+    if held:
+        if prescale_factor is not None or postscale_factor is not None:
+            raise TypeError("all_reduce(held=True) takes no scale factors: scale the input first, or pass held=False")
+        return _held(input, op, devices, out)
     kind = type(input)
     if kind is not np.ndarray and kind is not Tensor and isinstance(input, (list, tuple, dict)):
         refuse_for_structure("all_reduce", out=out)
@@ -102,132 +110,109 @@ def all_reduce(
     return handle
 
 
-def _all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
-                     devices: DevicesArg = None, *, out: np.ndarray | None = None) -> CollectiveTensor:
-    """`all_reduce_held` behind its entry: the general path, and the first call of each kind."""
+def _held(array: Any, op: ReduceOperation | str | None, devices: DevicesArg, out: Any) -> CollectiveTensor:
+    """`all_reduce(array, op, devices, out=out, held=True)`: the input and `out` are the caller's until resolved.
+
+    Where the call can be held (`_holdable`) MPI reduces the caller's buffers once the check
+    agreed (`select.HELD_ALL_REDUCE`), and the call keeps its plan (with its compiled held
+    lane) for later calls of its kind. Otherwise the call is an ordinary all-reduce whose
+    result is written into the caller's buffer when it resolves: into `out` below
+    `HELD_INTO_BYTES` (the lane's fresh result copied in), or on the general path's ``out=``,
+    in place through a copy back. The check tells held calls from ordinary ones, and in-place
+    calls from calls into `out` (option ``in_place`` 1 or 0), so ranks that disagree get
+    `CollectiveMismatchError`, never two algorithms.
+
+    Raises:
+        TypeError: `array` is not a host NumPy array, or an in-place result of another dtype.
+        ValueError: `out` is not of the input's shape and dtype, overlaps it, or (in place)
+            the input is read-only.
+    """
     ctx = context_for("all_reduce")
     into = out is not None and out is not array
-    if into:
-        _check_held_out(array, out)
+    _check_held_buffers(array, out if into else None)
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     plan = reduce_plan(reduce_op, array.dtype)
-    if not _holdable(array, plan, into):
-        return all_reduce(array, reduce_op, devices, out=out if into else None)
+    holdable = _holdable(array, plan, into)
+    if into and not holdable:
+        return all_reduce(array, reduce_op, devices, out=out)
+    if not holdable or (into and array.nbytes < HELD_INTO_BYTES):
+        if plan.out_dtype != array.dtype:
+            raise TypeError(f"all_reduce(held=True): {reduce_op.name} of {array.dtype} gives {plan.out_dtype}, which "
+                            f"cannot be written into the input; pass out= a separate array, or held=False")
+        return _copied(ctx, array, op, devices, out if into else array, into)
     group = ctx.full_group if devices is None else ctx.group(devices, "all_reduce")
     call = ReduceCall(ctx, group, HeldBuffers(array, out if into else array), plan, array.nbytes)
     select(HELD_ALL_REDUCE, call).prepare(call)
     record = check_record(ctx, group, make_record(_HELD_INTO if into else _HELD, "all_reduce", reduce_op, array.dtype,
                                                    array.shape, -1, group.members))
     handle = start_reduction(call, record, ctx.cpu_device)
-    key = (array.dtype, array.shape, op, into)
-    if devices is None and key not in ctx.full_group.extra.get(HELD_LANES, ()):
-        _keep_held_lane(ctx, key, op, array, plan, record, into)
+    key = held_key(array, op, into)
+    if devices is None and find_plan(ctx, key) is None:
+        keep_plan(ctx, key, compiled_held_lane(ctx, ctx.full_group, op, array, plan, record, into))
     return handle
 
 
-# Called as the public collectives are: behind their entry.
-_held_entry = collective_entry("all_reduce")(_all_reduce_held)
+def _copied(ctx: DistributedContext, array: np.ndarray, op: Any, devices: DevicesArg, target: np.ndarray,
+            into: bool) -> CollectiveTensor:
+    """A held call that an ordinary all-reduce serves, its result copied into `target` when it resolves.
 
-
-def all_reduce_held(array: np.ndarray, op: ReduceOperation | str | None = None,
-                    devices: DevicesArg = None, *, out: np.ndarray | None = None) -> CollectiveTensor:
-    """`all_reduce` of a host array that its caller keeps unchanged until the result is resolved.
-
-    For callers that hold the input themselves (the torch backend: in torch's contract a
-    tensor handed to a collective is not touched until its work is waited for; XLA's buffers
-    inside a compiled program). The array is read where it is, neither write-protected nor
-    copied, and MPI reduces it in place, or into `out` (`select.HELD_ALL_REDUCE`: blocking,
-    once the check has agreed). The consistency check tells its calls from `all_reduce`'s,
-    and in-place calls from calls into `out` (option ``in_place`` 1 or 0: MPI takes
-    ``MPI_IN_PLACE`` from every rank or from none), so ranks that disagree get
-    `CollectiveMismatchError`, not two algorithms.
-    Inputs it cannot reduce this way take `all_reduce` (with `out`): bool, MAX/MIN of
-    floats, a result of another dtype, not contiguous or not native; in place also up to
-    `SMALL_BYTES` (the lanes are faster there) and read-only arrays.
-
-    Args:
-        array: a host NumPy array, not written (by anyone) until the result is resolved.
-        op: the reduction, as `all_reduce`'s.
-        devices: the group, as `all_reduce`'s.
-        out: None (or `array`) to reduce in place; else a writable contiguous array of the
-            input's shape and dtype, not overlapping it, that nobody reads until the result
-            is resolved.
-
-    Returns:
-        A `CollectiveTensor` whose result is the array (reduced) or `out`, or for an input
-        it cannot take this way, `all_reduce`'s.
-
-    Raises:
-        ValueError: `out` is not of the input's shape and dtype, or overlaps it.
-        As `all_reduce` otherwise.
+    Once the ordinary call has kept its lane, the held calls of this kind keep a plan of that
+    lane and the copy (`CopiedInto`), which later calls start on before the entry.
     """
-    if devices is None and open_contexts:
-        # A kind of call seen before on the full group goes to its compiled lane as the C
-        # entry of `all_reduce` sends calls to theirs: after the wait for compiled programs,
-        # with no Python entry around it (inside jax.jit, where the caches are cold after
-        # JAX's dispatch, that entry cost 7-8 us per call). The lane checks the thread, the
-        # context and both arrays, and declines what the general path must take.
-        into = out is not None and out is not array
-        lane = held_lane(open_contexts[-1], array, op, into)
-        if lane is not None:
-            wait_for_compiled()
-            handle = lane.start_held(array, out if into else array)
-            if handle is not None:
-                return handle
-    return _held_entry(array, op, devices, out=out)
+    handle = follow(all_reduce(array, op, devices), partial(written_into, target))
+    if devices is None:
+        key = held_key(array, op, into)
+        lane = find_plan(ctx, lane_key(array, op))
+        if lane is not None and find_plan(ctx, key) is None:
+            keep_plan(ctx, key, CopiedInto(lane))
+    return handle
 
 
-def held_lane(ctx: DistributedContext, array: np.ndarray, op: Any, into: bool) -> Any:
-    """The compiled lane of `all_reduce_held`'s calls of `array`'s kind on `ctx`'s full group, or None.
+def held_plan_runner(ctx: DistributedContext, array: np.ndarray, out: np.ndarray, op: Any) -> Any:
+    """The compiled ``run(array, out)`` of held all-reduces of `array`'s kind into another array on `ctx`, or None.
 
-    Its ``start_held(array, out)`` and ``run_held(array, out)`` (native/lane.c) check each call and
-    decline what the general path must take.
-
-    Args:
-        ctx: an open context.
-        array: an input of the kind (dtype and shape).
-        op: the op argument as the calls give it.
-        into: whether the calls reduce into `out` (else in place).
+    The kept plan's own: MPI's from the input into `out` (the held lane's ``run_held``), or
+    below `HELD_INTO_BYTES` the lane's result copied into `out` (its ``run_into``).
     """
-    lanes = ctx.full_group.extra.get(HELD_LANES)
-    return None if lanes is None else lanes.get((array.dtype, array.shape, op, into))
-
-
-def _keep_held_lane(ctx: DistributedContext, key: tuple[Any, ...], op: Any, array: np.ndarray, plan: Any,
-                    record: Any, into: bool) -> None:
-    """Keep the compiled lane of `all_reduce_held`'s calls of kind `key`, or None where it has none.
-
-    Kept in the full group's extra state (freed with it), at most `_MAX_HELD_LANES` kinds.
-    """
-    lanes = ctx.full_group.extra.setdefault(HELD_LANES, {})
-    if len(lanes) >= _MAX_HELD_LANES:
-        lanes.clear()
-    lanes[key] = compiled_held_lane(ctx, ctx.full_group, op, array, plan, record, into)
+    plan = find_plan(ctx, held_key(array, op, True))
+    if isinstance(plan, CopiedInto):
+        compiled = plan.lane.compiled
+        return None if compiled is None else compiled.run_into
+    return None if plan is None else plan.run_held
 
 
 def _holdable(array: Any, plan: Any, into: bool) -> bool:
     """Whether `array` can be reduced as it is: contiguous, native, its result dtype (in place: large, writable)."""
     return (
-        type(array) is np.ndarray and array.flags.c_contiguous and array.dtype in PLAIN_DTYPES
+        array.flags.c_contiguous and array.dtype in PLAIN_DTYPES
         and array.dtype.kind != "b" and plan.codec is None and plan.work_dtype == array.dtype == plan.out_dtype
         and (into or (array.nbytes > SMALL_BYTES and array.flags.writeable))
     )
 
 
-def _check_held_out(array: np.ndarray, out: Any) -> None:
-    """Refuse an `out` that `all_reduce_held` cannot write the result of `array` into.
+def _check_held_buffers(array: Any, out: Any) -> None:
+    """Refuse buffers a held all-reduce cannot take: not NumPy, or an `out` it cannot write.
 
     Raises:
-        ValueError: not a writable contiguous NumPy array of the input's shape and dtype, or
-            overlapping the input.
+        TypeError: `array` is not a host NumPy array.
+        ValueError: `out` (when given) is not a writable contiguous NumPy array of the input's
+            shape and dtype, or overlaps the input; or (in place) the input is read-only.
     """
+    if type(array) is not np.ndarray:
+        raise TypeError(f"all_reduce(held=True) takes a host NumPy array its caller holds, got {type(array).__name__}; "
+                        "pass held=False for other inputs")
+    if out is None:
+        if not array.flags.writeable:
+            raise ValueError("all_reduce(held=True): the input is read-only, so it cannot be reduced in place; pass "
+                             "out= a writable array")
+        return
     if (type(out) is not np.ndarray or out.shape != array.shape or out.dtype != array.dtype
             or not out.flags.c_contiguous or not out.flags.writeable):
         got = f"{type(out).__name__} {getattr(out, 'dtype', '?')}{list(getattr(out, 'shape', ()))}"
-        raise ValueError(f"all_reduce_held: out must be a writable contiguous NumPy array of the input's "
+        raise ValueError(f"all_reduce(held=True): out must be a writable contiguous NumPy array of the input's "
                          f"{array.dtype}{list(array.shape)}, got {got}")
     if np.shares_memory(array, out):
-        raise ValueError("all_reduce_held: out overlaps the input; pass out=None to reduce the input in place")
+        raise ValueError("all_reduce(held=True): out overlaps the input; pass out=None to reduce the input in place")
 
 
 def _take(input: Any, devices: DevicesArg) -> tuple[DistributedContext, Input, Group]:  # noqa: A002

@@ -27,6 +27,7 @@ from .common import (
     take_input,
 )
 from .gpu_host import staged
+from .held import held_call
 from .layout import displacements
 from .options import make_record, output_buffer, output_tensor, protect_output, refuse_on_gpu, row_counts
 from .reduce_scatter import blocks_or_problem
@@ -40,6 +41,7 @@ def all_to_all(
     devices: DevicesArg = None,
     splits: Sequence[int] | None = None,
     out: Any = None,
+    held: bool = False,
 ) -> CollectiveTensor:
     """Start an all-to-all exchange (``MPI_Ialltoall``) and return at once.
 
@@ -54,6 +56,10 @@ def all_to_all(
         splits: rows sent to each member, in group order (non-negative ints summing to
             the first dimension); ranks may differ in it, but all or none pass it.
         out: a host Tensor or NumPy array to write the result into; see docs/options.md.
+        held: the caller holds `input` (a host NumPy array) and `out` until the result is
+            resolved: MPI's blocking call moves the data between them once the check agreed
+            (see `_collectives/held.py`); `out` is then a writable array of the input's
+            shape and dtype, not overlapping it (equal blocks: not with `splits`).
 
     Returns:
         A `CollectiveTensor` resolving to the received blocks, concatenated (`out`
@@ -66,6 +72,9 @@ def all_to_all(
         CollectiveMismatchError: the ranks disagree on dtype, the other dimensions,
             passing splits, or group (without splits, on the whole shape).
     """
+    if held and splits is None:
+        return held_call("all_to_all", input, out, -1, None, devices,
+                         lambda: all_to_all(input, devices=devices, out=out))
     ctx = context_for("all_to_all")
     source = take_input(input, ctx, "all_to_all")
     group = ctx.group(devices, "all_to_all")

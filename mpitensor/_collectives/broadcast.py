@@ -28,6 +28,7 @@ from .common import (
 )
 from .gpu_host import staged
 from .grouped import grouped_broadcast, is_structure
+from .held import held_call
 from .options import output_buffer, output_tensor, protect_output, refuse_on_gpu
 
 __all__ = ["broadcast"]
@@ -41,6 +42,7 @@ def broadcast(
     shape: tuple[int, ...] | None = None,
     dtype: Any = None,
     out: Any = None,
+    held: bool = False,
 ) -> CollectiveTensor:
     """Start a broadcast (``MPI_Ibcast``) of the root's tensor and return at once.
 
@@ -60,6 +62,10 @@ def broadcast(
             dtype, writable, C-contiguous); it may be the input itself (an in-place
             broadcast). With `input` None, it also gives the shape and dtype. Not to be
             written until the handle resolves.
+        held: the caller holds `input` (a host NumPy array, of one shape and dtype on every
+            rank) and `out` (a writable array of its shape and dtype, not overlapping it)
+            until the result is resolved: MPI's blocking broadcast moves the data between
+            them once the check agreed (see `_collectives/held.py`).
 
     Returns:
         A `CollectiveTensor` resolving to the broadcast tensor (`out` itself when it is
@@ -72,6 +78,9 @@ def broadcast(
             bad `out`.
         CollectiveMismatchError: the ranks disagree on root, shape, dtype or group.
     """
+    if held:
+        return held_call("broadcast", input, out, root, None, devices,
+                         lambda: broadcast(input, root=root, devices=devices, out=out))
     ctx = context_for("broadcast")
     if is_structure(input):
         return grouped_broadcast(ctx, input, root, devices, out)

@@ -26,13 +26,20 @@ from .common import (
     take_input,
 )
 from .gpu_host import staged
+from .held import filled, held_call
 from .layout import axis_arg, displacements, to_front
 
 __all__ = ["gather"]
 
 
 def gather(
-    input: Any, root: int | Device = 0, *, axis: int = 0, devices: DevicesArg = None,  # noqa: A002
+    input: Any,  # noqa: A002 - the name every collective uses
+    root: int | Device = 0,
+    *,
+    axis: int = 0,
+    devices: DevicesArg = None,
+    out: Any = None,
+    held: bool = False,
 ) -> CollectiveTensor:
     """Start a gather to the root (``MPI_Igather``/``MPI_Igatherv``) and return at once.
 
@@ -46,6 +53,13 @@ def gather(
         root: the rank (in the context, a member of the group) or `Device` that gets the result.
         axis: the axis to concatenate along (negative counts from the end).
         devices: the group; None for every rank of the context.
+        out: with `held` only: the caller's result buffer (see `held`).
+        held: the caller holds `input` (a host NumPy array, of one shape and dtype on every
+            rank) and `out` until the result is resolved; every rank's `out` gets a result,
+            as a compiled program's results have one shape on every rank: on the root the
+            group's size times the input's elements (rank k's input its k-th part, stacked
+            along a new first axis), elsewhere the input itself. MPI's blocking gather moves
+            the data once the check agreed (see `_collectives/held.py`).
 
     Returns:
         A `CollectiveTensor` resolving on the root to the concatenation in group order, in
@@ -57,6 +71,11 @@ def gather(
         ValueError: `axis` is out of range, or the root is not in the group (on every rank).
         CollectiveMismatchError: the ranks disagree on dtype, other dimensions, axis, root or group.
     """
+    if held:
+        return held_call("gather", input, out, root, None, devices, lambda: _held_general(input, root, devices, out))
+    if out is not None:
+        raise TypeError("gather takes out= with held=True only (the caller's buffer of every rank's input); "
+                        "without it, resolve() gives the gathered tensor")
     ctx = context_for("gather")
     source = take_input(input, ctx, "gather")
     group = ctx.group(devices, "gather")
@@ -93,3 +112,11 @@ def gather(
     op = Op("gather", group, send.nbytes, post, lambda: later.value, record=record, keep=(send,),
             protections=protections, exchange=True, compare=ctx.config.check)
     return start(ctx, op, later, source.back)
+
+
+def _held_general(input: Any, root: Any, devices: DevicesArg, out: Any) -> CollectiveTensor:  # noqa: A002
+    """A held gather on a sub-group: the rows gathered into the root's `out`, the input into the others'."""
+    ctx = context_for("gather")
+    rows = input[None] if type(input) is np.ndarray else input
+    return follow(gather(rows, root, devices=devices),
+                  lambda gathered: filled(out, input if gathered is None else gathered, ctx.cpu_device))

@@ -1,19 +1,22 @@
-"""Held collectives: MPI's blocking calls on buffers their caller holds.
+"""Held calls: the buffer mode of the collectives whose caller holds the input and the result buffer.
 
-`broadcast_held`, `all_gather_held`, `all_to_all_held`, `gather_held` and `reduce_held` are
-for callers that hold the input and the result buffer themselves until the call returns (a
-collective inside a compiled JAX program, run on XLA's own buffers): the input is read where
-it is and the result lands in the caller's buffer, with none of the general path's copies,
-protections or fresh arrays. Once the consistency check has agreed (every peer is at the same
-call), MPI's blocking call moves the data (`_transport.mpi.held`); the check tells these
-calls from the general collectives' (option ``held``), whose nonblocking MPI calls must not
-pair with blocking ones, so ranks that disagree get `CollectiveMismatchError`. Unchecked
-calls (whose peers may not have arrived) post MPI's nonblocking call of the same data.
-Off the root, a gather's and a reduce's result is the input, as inside ``jax.jit``.
+``broadcast``, ``all_gather``, ``all_to_all``, ``gather`` and ``reduce`` with ``held=True``
+(and ``all_reduce``'s own, in `all_reduce.py`) are for callers that hold the input and the
+result buffer themselves until the call returns (a collective inside a compiled JAX program,
+run on XLA's own buffers; a torch backend's tensors): the input is read where it is and the
+result lands in the caller's buffer, with none of the general path's copies, protections or
+fresh arrays. Once the consistency check has agreed (every peer is at the same call), MPI's
+blocking call moves the data (`_transport.mpi.held`); the check tells these calls from the
+general collectives' (option ``held``), whose nonblocking MPI calls must not pair with
+blocking ones, so ranks that disagree get `CollectiveMismatchError`. Unchecked calls (whose
+peers may not have arrived) post MPI's nonblocking call of the same data. Every rank's buffer
+gets a result: off the root, a gather's and a reduce's is the input, as inside ``jax.jit``.
 
-Repeated checked calls of one kind on the full group go to a compiled held lane
-(`native.compiled_held_data_lane`), as `all_reduce_held`'s do: the check and the MPI call in
-one C call, which a compiled program's handler can call with no Python around it.
+Each call enters through its collective's own entry (the collective's public function). The
+first checked call of a kind on the full group keeps its compiled plan in the context's plan
+cache (`plans.py`, `native.compiled_held_data_lane`): the check and the MPI call in one C call,
+which later calls start on, and which a compiled program's handler can call with no Python
+around it.
 """
 
 from __future__ import annotations
@@ -23,30 +26,22 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._core.config import ReduceOperation, parse_op
+from .._core.config import parse_op
 from .._core.dtypes import reduce_plan
 from .._core.mpi import MPI
-from .._core.state import open_contexts
+from .._core.tensor import Tensor, array_of, wrap_array
 from .._runtime.context import DevicesArg, DistributedContext
 from .._runtime.engine import Group, Op
-from .._runtime.entry import collective_entry
-from .._runtime.ordering import wait_for_compiled
 from .._transport import mpi
 from .common import CollectiveTensor, check_record, context_for, group_root, root_rank, start
 from .native import compiled_held_data_lane
 from .options import make_record, output_tensor
+from .plans import find_plan, keep_plan
 
-__all__ = [
-    "HELD_DATA_LANES", "HELD_KINDS", "all_gather_held", "all_to_all_held", "broadcast_held", "data_lane",
-    "gather_held", "held_call", "reduce_held", "reducible",
-]
+__all__ = ["HELD_KINDS", "data_plan", "filled", "held_call", "reducible"]
 
 # The check's option that tells these calls from the general collectives'.
 _HELD = (("held", 1),)
-# Where the compiled lanes are kept (the full group's extra state), by (kind, dtype, shape,
-# root argument, op argument): None for a kind that has none.
-HELD_DATA_LANES = "held collective lanes"
-_MAX_LANES = 256
 
 
 class _Kind(NamedTuple):
@@ -111,102 +106,6 @@ _KINDS = {
 HELD_KINDS = tuple(_KINDS)
 
 
-def broadcast_held(array: np.ndarray, out: np.ndarray, root: int = 0) -> CollectiveTensor:
-    """`broadcast` of the root's host `array` into every rank's `out`, both held by the caller.
-
-    Every rank passes an input of the same shape and dtype (read on the root only) and an
-    `out` of that shape and dtype; neither is touched by anyone else until the result is
-    resolved. On the full group of the open context (as every held collective).
-
-    Args:
-        array: a C-contiguous NumPy array.
-        out: a writable C-contiguous NumPy array of `array`'s shape and dtype, not overlapping it.
-        root: the sending rank.
-
-    Returns:
-        A `CollectiveTensor` resolving to a Tensor over `out`.
-
-    Raises:
-        TypeError: `array` or `out` is not a NumPy array.
-        ValueError: bad buffers (see `all_gather_held`); the root is not a rank of the
-            context (on every rank).
-        As `broadcast` otherwise.
-    """
-    return held_call("broadcast", array, out, root, None)
-
-
-def all_gather_held(array: np.ndarray, out: np.ndarray) -> CollectiveTensor:
-    """`all_gather` of every rank's host `array` into every rank's `out`, in rank order, both held by the caller.
-
-    Args:
-        array: a C-contiguous NumPy array, of one shape and dtype on every rank.
-        out: a writable C-contiguous NumPy array of `array`'s dtype and the group's size
-            times its size (rank k's input its k-th part), not overlapping it.
-
-    Returns:
-        A `CollectiveTensor` resolving to a Tensor over `out`.
-
-    Raises:
-        TypeError: `array` or `out` is not a NumPy array.
-        ValueError: not contiguous, `out` not writable, of another dtype or size, or overlapping.
-        As `all_gather` otherwise.
-    """
-    return held_call("all_gather", array, out, -1, None)
-
-
-def all_to_all_held(array: np.ndarray, out: np.ndarray) -> CollectiveTensor:
-    """`all_to_all` of equal blocks: block k of every rank's `array` into block (its rank) of rank k's `out`.
-
-    Args:
-        array: a C-contiguous NumPy array whose bytes cut into one equal block per rank.
-        out: a writable C-contiguous NumPy array of `array`'s shape and dtype, not overlapping it.
-
-    Returns:
-        A `CollectiveTensor` resolving to a Tensor over `out`.
-
-    Raises:
-        TypeError, ValueError: as `all_gather_held`, or an input that does not cut into blocks.
-    """
-    return held_call("all_to_all", array, out, -1, None)
-
-
-def gather_held(array: np.ndarray, out: np.ndarray, root: int = 0) -> CollectiveTensor:
-    """`gather` of every rank's `array` into the root's `out` in rank order; elsewhere `out` gets `array`.
-
-    Args:
-        array: a C-contiguous NumPy array, of one shape and dtype on every rank.
-        out: a writable C-contiguous NumPy array of `array`'s dtype: on the root the group's
-            size times its size, elsewhere its size; not overlapping it.
-        root: the receiving rank.
-
-    Returns:
-        A `CollectiveTensor` resolving to a Tensor over `out`.
-
-    Raises:
-        TypeError, ValueError: as `broadcast_held`.
-    """
-    return held_call("gather", array, out, root, None)
-
-
-def reduce_held(array: np.ndarray, out: np.ndarray, op: ReduceOperation | str, root: int = 0) -> CollectiveTensor:
-    """`reduce` of every rank's `array` into the root's `out`; elsewhere `out` gets `array`.
-
-    Args:
-        array: a C-contiguous NumPy array, of one shape and dtype on every rank, of a kind
-            `reducible` says MPI reduces as it is.
-        out: a writable C-contiguous NumPy array of `array`'s shape and dtype, not overlapping it.
-        op: the reduction.
-        root: the receiving rank.
-
-    Returns:
-        A `CollectiveTensor` resolving to a Tensor over `out`.
-
-    Raises:
-        ValueError: a reduction `reducible` refuses; as `broadcast_held` otherwise.
-    """
-    return held_call("reduce", array, out, root, op)
-
-
 def reducible(op: Any, dtype: np.dtype) -> bool:
     """Whether MPI's own reduction gives `op` of arrays of `dtype` (no encoding, no division, no other result dtype)."""
     return _own_reduction(reduce_plan(parse_op(op), np.dtype(dtype)), np.dtype(dtype))
@@ -216,65 +115,82 @@ def _own_reduction(plan: Any, dtype: np.dtype) -> bool:
     return plan.codec is None and not plan.divide and dtype.kind != "b" and plan.work_dtype == plan.out_dtype == dtype
 
 
-def data_lane(ctx: DistributedContext, kind: str, array: np.ndarray, root: int = -1, op: Any = None) -> Any:
-    """The compiled lane of `kind`'s held calls of `array`'s dtype and shape (`root`, `op`) on `ctx`, or None.
+def data_plan(ctx: DistributedContext, kind: str, array: np.ndarray, root: int = -1, op: Any = None) -> Any:
+    """The kept compiled plan of `kind`'s held calls of `array`'s dtype and shape (`root`, `op`) on `ctx`, or None.
 
     Its ``start_held(array, out)`` and ``run_held(array, out)`` (native/lane.c) check each
     call and decline what the general path must take.
     """
-    lanes = ctx.full_group.extra.get(HELD_DATA_LANES)
-    return None if lanes is None else lanes.get(_lane_key(kind, array, root, op))
+    return find_plan(ctx, _plan_key(kind, array, root, op))
 
 
-def _lane_key(kind: str, array: np.ndarray, root: int, op: Any) -> tuple[Any, ...]:
-    return kind, array.dtype, array.shape, root, op
+def _plan_key(kind: str, array: np.ndarray, root: int, op: Any) -> tuple[Any, ...]:
+    return kind, array.dtype, array.shape, root, op, "held"
 
 
-def held_call(kind: str, array: Any, out: Any, root: int = -1, op: Any = None) -> CollectiveTensor:
-    """The held call of collective `kind` (one of `HELD_KINDS`): `broadcast_held`'s and the others'.
+def held_call(kind: str, array: Any, out: Any, root: int = -1, op: Any = None, devices: DevicesArg = None,
+              general: Callable[[], CollectiveTensor] | None = None) -> CollectiveTensor:
+    """The held call of collective `kind` (one of `HELD_KINDS`): the collective's ``held=True``, behind its entry.
 
-    On its compiled lane (after the wait for compiled programs), else behind its entry.
+    Every rank's `out` gets a result, as a compiled program's results have one shape on
+    every rank: off the root, a gather's and a reduce's is the input. On the full group, a
+    kind with a kept compiled plan starts on it; otherwise the general held path, which keeps
+    that plan. A call the held path cannot take (a sub-group; a reduce MPI does not reduce as
+    it is, `reducible`) runs `general()`, the collective's own path into `out`.
 
     Args:
         kind: the collective's name.
-        array: the input, as the kind's function takes it.
-        out: the result buffer, as the kind's function takes it.
+        array: the input: a C-contiguous NumPy array.
+        out: the result buffer (see each collective's ``held``).
         root: a rooted call's root (the others': -1).
-        op: a reduce's reduction (the others': None).
+        op: a reduce's reduction (the others': None; None: the context's).
+        devices: the group (None: every rank).
+        general: the collective's call into `out` with the same results, for what is not held.
 
     Returns:
         A `CollectiveTensor` resolving to a Tensor over `out`.
 
     Raises:
-        As the kind's function.
+        TypeError, ValueError: bad buffers (`_check_buffers`).
     """
-    if open_contexts and type(array) is np.ndarray:
-        lane = data_lane(open_contexts[-1], kind, array, root, op)
+    ctx = context_for(kind)
+    encoded = kind == "reduce" and type(array) is np.ndarray and not reducible(
+        ctx.config.all_reduce_op if op is None else op, array.dtype)
+    if devices is not None or encoded:
+        assert general is not None
+        return general()
+    if type(array) is np.ndarray:
+        lane = data_plan(ctx, kind, array, root, op)
         if lane is not None:
-            wait_for_compiled()
             handle = lane.start_held(array, out)
             if handle is not None:
                 return handle
-    return _ENTRIES[kind](kind, array, out, root, op)
+    return _held(ctx, kind, array, out, root, op)
 
 
-def _held(kind: str, array: np.ndarray, out: np.ndarray, root: int, op: Any,
-          devices: DevicesArg = None) -> CollectiveTensor:
-    """A held call behind its entry: the general path, and the first call of each kind."""
-    ctx = context_for(kind)
+def filled(out: np.ndarray, value: Any, device: Any) -> Tensor:
+    """`out` holding `value` (a Tensor or an array of its size), as the Tensor a held call resolves to.
+
+    For the general paths of held calls, whose results are written into the caller's buffer
+    when they resolve (a gather's rows, the input off a reduce's root).
+    """
+    np.copyto(out, (array_of(value) if isinstance(value, Tensor) else value).reshape(out.shape))
+    return wrap_array(out, device)
+
+
+def _held(ctx: DistributedContext, kind: str, array: np.ndarray, out: np.ndarray, root: int,
+          op: Any) -> CollectiveTensor:
+    """A held call on the full group: the first call of each kind, and what the compiled plan declines."""
     spec, group = _KINDS[kind], ctx.full_group
     root_at = root_rank(ctx, root) if spec.rooted else -1
-    _check_buffers(array, out, spec.parts(group.size, root_at == ctx.rank), f"{kind}_held")
+    _check_buffers(array, out, spec.parts(group.size, root_at == ctx.rank), f"{kind}(held=True)")
     if kind == "all_to_all" and array.nbytes % group.size:
-        raise ValueError(f"all_to_all_held: an input of {array.nbytes} bytes does not cut into {group.size} equal "
-                         "blocks (one per rank)")
+        raise ValueError(f"all_to_all(held=True): an input of {array.nbytes} bytes does not cut into {group.size} "
+                         "equal blocks (one per rank)")
     reduce_op = plan = None
     if kind == "reduce":
-        reduce_op = parse_op(op)
+        reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
         plan = reduce_plan(reduce_op, array.dtype)
-        if not _own_reduction(plan, array.dtype):
-            raise ValueError(f"reduce_held: {reduce_op.name} of {array.dtype} is not MPI's own reduction (an "
-                             "encoding, a division or another result dtype); use reduce")
     record = check_record(ctx, group, make_record(_HELD, kind, reduce_op, array.dtype, array.shape, root_at,
                                                   group.members))
     blocking = record is not None or group.size == 1
@@ -288,25 +204,11 @@ def _held(kind: str, array: np.ndarray, out: np.ndarray, root: int, op: Any,
 
     result = output_tensor(None, out, ctx.cpu_device)
     handle = start(ctx, Op(kind, group, array.nbytes, post, lambda: result, record=record, keep=(array, out)), result)
-    if record is not None and (not spec.rooted or root_at in group.members):
+    key = _plan_key(kind, array, root, op)
+    if record is not None and (not spec.rooted or root_at in group.members) and find_plan(ctx, key) is None:
         index = group.members.index(root_at) if spec.rooted else -1
-        _keep_lane(ctx, _lane_key(kind, array, root, op), array, index, record, plan)
+        keep_plan(ctx, key, compiled_held_data_lane(ctx, group, kind, array, index, record, plan))
     return handle
-
-
-# Called as the public collectives are: behind their entry (the thread rule, failed turns).
-_ENTRIES = {kind: collective_entry(kind)(_held) for kind in _KINDS}
-
-
-def _keep_lane(ctx: DistributedContext, key: tuple[Any, ...], array: np.ndarray, root: int, record: Any,
-               plan: Any) -> None:
-    """Keep the compiled lane of the calls of kind `key` (None where they have none), at most `_MAX_LANES` kinds."""
-    lanes = ctx.full_group.extra.setdefault(HELD_DATA_LANES, {})
-    if key in lanes:
-        return
-    if len(lanes) >= _MAX_LANES:
-        lanes.clear()
-    lanes[key] = compiled_held_data_lane(ctx, ctx.full_group, key[0], array, root, record, plan)
 
 
 def _check_buffers(array: Any, out: Any, parts: int, what: str) -> None:

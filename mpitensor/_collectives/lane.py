@@ -28,6 +28,7 @@ import numpy as np
 from .._core.config import ReduceOperation
 from .._core.dtypes import BoolBytes, OrderedKeys
 from .._core.interop import take_quickly
+from .._core.limits import LANE_BYTES
 from .._core.state import open_contexts
 from .._core.tensor import Tensor, array_of, wrap_array
 from .._runtime.context import DevicesArg
@@ -39,17 +40,16 @@ from .._transport.mpi import SMALL_BYTES, in_place, out_of_place
 from .._transport.reduction import finish_reduction, needs_decoding, reduction_finisher, reduction_input
 from .._transport.select import IN_CHECK, IN_PLACE, PLAIN
 from .common import CollectiveTensor, Input, follow
-from .native import compiled_lane, forget, front, set_before_call
+from .native import compiled_lane, front, set_before_call
+from .plans import find_plan, keep_plan
 
-__all__ = ["LANES", "LANE_BYTES", "CheckLane", "CopyLane", "PlainLane", "keep_lane", "start_reduction", "with_lane"]
+__all__ = [
+    "LANE_BYTES", "CheckLane", "CopiedInto", "CopyLane", "PlainLane", "held_key", "keep_lane", "lane_key",
+    "on_held_plan", "start_reduction", "with_lane", "written_into",
+]
 
-# Where lanes are kept: in the extra caches of the context's full group.
-LANES = "all_reduce lanes"
 _UNSET: Any = object()  # no input given: the general path says so
-_MAX_LANES = 256  # kinds of call remembered per context; beyond, the lanes start over
-# The largest input a lane takes. Beyond, the general path's planning (10-12 us) is a few
-# percent of the call; and from 512 KiB node peers usually reduce through shared memory.
-LANE_BYTES = 1 << 20
+_HELD_OPTIONS = frozenset({"held", "out"})  # the options of held calls that may have a kept plan
 
 
 def order_after_compiled(barrier: Callable[[], None]) -> None:
@@ -72,8 +72,9 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
     while the context is usable. A Python number, NumPy scalar or CPU torch tensor takes
     the lane of the array `interop.take_quickly` gives for it (the general path reduces
     that same array), and its result comes back in its own kind, as the general path gives
-    it. Every other call, and the first of each kind, goes to `general`, which also raises
-    the errors of bad calls.
+    it. A held call (``held=True``, with ``out`` or in place) on the full group whose kind
+    has a kept compiled plan starts on it (`on_held_plan`). Every other call, and the first
+    of each kind, goes to `general`, which also raises the errors of bad calls.
 
     Args:
         general: `all_reduce` as the public API wraps it (`collective_entry`).
@@ -108,6 +109,10 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
                 handle = _on_lane(input if kind is Tensor else None, array, op)
                 if handle is not None:
                     return handle if back is None else follow(handle, back)
+        elif options.get("held") is True and devices is None and not more and options.keys() <= _HELD_OPTIONS:
+            handle = on_held_plan(input, op, options.get("out"))
+            if handle is not None:
+                return handle
         if input is _UNSET:
             # No input: `general` raises inside the entry, which tells the peers that this
             # rank's call failed (as it does for arguments all_reduce does not take).
@@ -122,14 +127,77 @@ def with_lane(general: Callable[..., CollectiveTensor]) -> Callable[..., Collect
 def _on_lane(tensor: Tensor | None, array: np.ndarray, op: Any) -> CollectiveTensor | None:
     """Start the call on its lane on the current context; None when it has none (or may not take it now)."""
     ctx = open_contexts[-1]
-    lanes = ctx.full_group.extra.get(LANES)
-    if lanes is None or not ctx.usable or ctx.owner_thread != get_ident():
+    if not ctx.usable or ctx.owner_thread != get_ident():
         return None
-    try:
-        lane = lanes.get((array.dtype, array.shape, op))
-    except TypeError:  # an unhashable op: the general path says what is wrong with it
-        return None
+    lane = find_plan(ctx, lane_key(array, op))
     return None if lane is None else lane.start(tensor, array)
+
+
+def on_held_plan(array: Any, op: Any, out: Any) -> CollectiveTensor | None:
+    """A held call on the full group started on its kept compiled plan, before the Python entry; None without one.
+
+    As the compiled front does for ordinary calls: after the wait for compiled programs, with
+    no Python entry around it (inside jax.jit, where the caches are cold after JAX's dispatch,
+    that entry cost 7-8 us per call). The compiled lane checks the thread, the context and both
+    arrays, and declines (None) what the general path must take.
+    """
+    if type(array) is not np.ndarray or not open_contexts:
+        return None
+    into = out is not None and out is not array
+    lane = find_plan(open_contexts[-1], held_key(array, op, into))
+    if lane is None:
+        return None
+    wait_for_compiled()
+    return lane.start_held(array, out if into else array)
+
+
+def held_key(array: np.ndarray, op: Any, into: bool) -> tuple[Any, ...]:
+    """The plan cache's key of held all-reduces of `array`'s kind (in place, or `into` another array)."""
+    return "all_reduce", array.dtype, array.shape, op, "held", into
+
+
+class CopiedInto:
+    """The plan of held all-reduces that an ordinary one serves: its lane, the result copied into the caller's buffer.
+
+    For held calls MPI cannot reduce where they are (small ones in place, bool, MAX/MIN of
+    floats) and those into another buffer below `HELD_INTO_BYTES` (`all_reduce._copied`).
+
+    Args:
+        lane: the lane of the ordinary calls of the kind.
+    """
+
+    __slots__ = ("lane",)
+
+    def __init__(self, lane: _Lane) -> None:
+        self.lane = lane
+
+    def start_held(self, array: np.ndarray, out: np.ndarray) -> CollectiveTensor | None:
+        """Start the call of `array` on the lane, its result copied into `out` (`array` itself in place).
+
+        Returns:
+            The handle; None where the lane declines the call, or `out` is not a buffer of the
+            kind (the general path then takes the call, and says what is wrong).
+        """
+        ctx = self.lane.ctx
+        if not ctx.usable or ctx.owner_thread != get_ident():
+            return None
+        if out is not array and (type(out) is not np.ndarray or out.shape != array.shape or out.dtype != array.dtype
+                                 or not out.flags.c_contiguous or not out.flags.writeable
+                                 or np.shares_memory(array, out)):
+            return None
+        handle = self.lane.start(None, array)
+        return None if handle is None else follow(handle, partial(written_into, out))
+
+
+def written_into(target: np.ndarray, result: Any) -> Tensor:
+    """An all-reduce's `result` copied into the caller's `target`, as a Tensor over it."""
+    np.copyto(target, array_of(result))
+    return wrap_array(target, result.device)
+
+
+def lane_key(array: np.ndarray, op: Any) -> tuple[Any, ...]:
+    """The plan cache's key of ``all_reduce(array, op)`` calls (no ``devices`` or options)."""
+    return "all_reduce", array.dtype, array.shape, op
 
 
 class _Lane:
@@ -322,38 +390,13 @@ def keep_lane(call: ReduceCall, op: Any, record: Any) -> None:
         lane.compiled = compiled_lane(lane, array, op, checked=False)
     else:
         lane = PlainLane(ctx, group, plan, record)
-    lanes = group.extra.get(LANES)
-    if lanes is None or len(lanes) >= _MAX_LANES:
-        lanes = group.extra[LANES] = _Lanes(ctx)
-    try:
-        lanes[(array.dtype, array.shape, op)] = lane
-    except TypeError:  # an unhashable op that parsed: such calls keep the general path
-        pass
+    keep_plan(ctx, lane_key(array, op), lane)
 
 
 def _decodes(call: ReduceCall) -> bool:
     """Whether a lane can finish `call`'s kind: float keys or bool bytes, on a copy or in the check."""
     codec = call.plan.codec
     return call.final is call.out and call.transport is not PLAIN and isinstance(codec, (OrderedKeys, BoolBytes))
-
-
-class _Lanes(dict):
-    """A context's lanes by kind, which the context frees with its group's other caches.
-
-    Freeing tells the compiled entry to drop its cached lanes of the context, so that a
-    closed context is not kept alive by them.
-    """
-
-    __slots__ = ("ctx",)
-
-    def __init__(self, ctx: Any) -> None:
-        super().__init__()
-        self.ctx = ctx
-
-    def free(self) -> None:
-        """Forget the lanes here and in the compiled entry's cache (the context is closing)."""
-        forget(self.ctx)
-        self.clear()
 
 
 def start_reduction(call: ReduceCall, record: Any, device: Any) -> CollectiveTensor:

@@ -25,6 +25,7 @@ from .common import (
     take_input,
 )
 from .gpu_host import staged
+from .held import filled, held_call
 from .options import (
     finish_scaled,
     make_record,
@@ -49,6 +50,7 @@ def reduce(
     out: Any = None,
     prescale_factor: float | None = None,
     postscale_factor: float | None = None,
+    held: bool = False,
 ) -> CollectiveTensor:
     """Start a reduction to the root (``MPI_Ireduce``) and return at once.
 
@@ -64,6 +66,10 @@ def reduce(
         prescale_factor: multiplies each rank's input before the reduction (into a
             private copy: the input is not changed). Integer tensors take integers only.
         postscale_factor: multiplies the result after the reduction (after MEAN's division).
+        held: the caller holds `input` (a host NumPy array) and `out` (a writable array of
+            its shape and dtype, not overlapping it, on every rank) until the result is
+            resolved: MPI's blocking reduce moves the data once the check agreed (see
+            `_collectives/held.py`); off the root `out` gets the input. Not with factors.
 
     Returns:
         A `CollectiveTensor` resolving to the result on the root (`out` itself when it
@@ -76,6 +82,10 @@ def reduce(
         CollectiveMismatchError: the ranks disagree on shape, dtype, op, root, factors
             or group.
     """
+    if held:
+        if prescale_factor is not None or postscale_factor is not None:
+            raise TypeError("reduce(held=True) takes no scale factors: scale the input first, or pass held=False")
+        return held_call("reduce", input, out, root, op, devices, lambda: _held_general(input, op, root, devices, out))
     ctx = context_for("reduce")
     reduce_op = ctx.config.all_reduce_op if op is None else parse_op(op)
     source = take_input(input, ctx, "reduce")
@@ -91,6 +101,14 @@ def reduce(
         return follow(handle, source.back)
     handle = _start(ctx, source, reduce_op, group, root_at, out, (prescale_factor, postscale_factor))
     return follow(handle, source.back)
+
+
+def _held_general(input: Any, op: Any, root: Any, devices: DevicesArg, out: Any) -> CollectiveTensor:  # noqa: A002
+    """A held reduce MPI cannot run as it is (a sub-group, an encoded reduction): into `out`; elsewhere the input."""
+    ctx = context_for("reduce")
+    if root_rank(ctx, root) == ctx.rank:
+        return reduce(input, op, root=root, devices=devices, out=out)
+    return follow(reduce(input, op, root=root, devices=devices), lambda _: filled(out, input, ctx.cpu_device))
 
 
 def _start(ctx: DistributedContext, source: Input, reduce_op: ReduceOperation, group: Group, root_at: int,

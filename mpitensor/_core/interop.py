@@ -37,6 +37,7 @@ from .device import Device
 from .errors import DeviceError, TracedArrayError
 from .halfprec import bfloat16_dtype, is_bfloat16
 from .jax_placement import Placement, placement
+from .limits import COW_BYTES
 from .pool import Private
 
 __all__ = [
@@ -51,9 +52,6 @@ __all__ = [
     "type_name",
 ]
 
-# From this size a torch CPU tensor is sent through a lazy clone rather than copied: below
-# it, a copy costs less than the clone and the view built on it (a few microseconds).
-COW_BYTES = 64 << 10
 
 Back = Callable[[Any], Any]
 

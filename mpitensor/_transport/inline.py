@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.limits import CARRIED_MAX_BYTES, CHECK_HEADER_BYTES, GATHERED_CHECK_RANKS
 from .base import ReduceCall
 from .mpi import in_place
 
@@ -30,13 +31,9 @@ __all__ = [
     "reduce_carried_keys",
 ]
 
-# Groups of up to this many ranks gather their checks' rows (beyond, gathering every row to
-# every rank costs more than the all-reduce of a fixed record it replaces).
-INLINE_RANKS = 8
-# A check row: the header (agreement hash, per-rank value), then the payload; all-reduces
-# whose work buffer fits the payload travel inside the check.
-HEADER_BYTES = 16
-PAYLOAD_BYTES = 64
+INLINE_RANKS = GATHERED_CHECK_RANKS
+HEADER_BYTES = CHECK_HEADER_BYTES
+PAYLOAD_BYTES = CARRIED_MAX_BYTES
 ROW_BYTES = HEADER_BYTES + PAYLOAD_BYTES
 # The per-rank value of a row that carries its all-reduce's input (an all-reduce's own is -1).
 CARRIED = 1

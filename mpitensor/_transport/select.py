@@ -32,7 +32,7 @@ ALL_REDUCE_CHECKED: tuple[Transport, ...] = (IN_CHECK, *ALL_REDUCE)
 # reduces the private copy in place: the two lists cannot choose differently for one size.
 _ON_COPY: dict[Transport, Transport] = {IN_PLACE: SmallOnCopy(), PLAIN: OnCopy()}
 STAGED_ALL_REDUCE: tuple[Transport, ...] = tuple(_ON_COPY.get(transport, transport) for transport in ALL_REDUCE)
-# An input its caller holds unchanged (`all_reduce_held`): MPI's all-reduce in place or
+# An input its caller holds unchanged (`all_reduce(..., held=True)`): MPI's all-reduce in place or
 # into the caller's buffer, whatever the size; blocking where the check has agreed first.
 # Its calls are checked as another kind than plain all-reduces, so the lists never meet.
 HELD_ALL_REDUCE: tuple[Transport, ...] = (Held(), HeldUnchecked())

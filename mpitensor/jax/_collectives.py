@@ -11,7 +11,7 @@ import numpy as np
 
 import mpitensor as mt
 
-from .._core.config import parse_op
+from .. import integration
 from . import _handler, _primitives, _rules
 
 Devices = Sequence[int] | None
@@ -152,7 +152,7 @@ def _door(kind: str) -> Callable[[F], F]:
 
 def _op(op: mt.ReduceOperation | str) -> str:
     # The name, not the enum member, is the primitive's parameter: JAX hashes and prints it.
-    return parse_op(op).value
+    return integration.reduce_operation(op).value
 
 
 def _devices(devices: Devices) -> tuple[int, ...] | None:

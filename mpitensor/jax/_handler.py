@@ -19,9 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .._collectives.lane import order_after_compiled
-from .._core.state import open_contexts
-from .._runtime.ordering import run_delegated
+from .. import integration
 
 TARGET = "mpitensor_collective"
 
@@ -46,7 +44,7 @@ def site(key: Any, runner: Runner) -> int:
     if not _ordered:
         import jax
 
-        order_after_compiled(jax.effects_barrier)
+        integration.order_after_compiled(jax.effects_barrier)
         _ordered = True
     with _lock:
         number = _numbers.get(key)
@@ -64,7 +62,7 @@ def run(number: int, inputs: tuple[np.ndarray, ...], results: tuple[np.ndarray, 
     Where the runner returns a fast path, (ctx, run), the handler calls ``run(input, result)``
     itself from then on while `ctx` is the innermost open context (``_ffi.set_fast``).
     """
-    fast = run_delegated(_sites[number], inputs, results)
+    fast = integration.run_delegated(_sites[number], inputs, results)
     if fast is not None:
         ctx, call = fast
         # Freed with the context's group when it closes: the handler then drops its paths.
@@ -110,7 +108,7 @@ def register() -> None:
                 "lacks: it is built by pip install when a C compiler is found; reinstall mpitensor "
                 "with one (python -m mpitensor info says which compiled parts are present)"
             ) from exc
-        _ffi.set_runner(run, open_contexts)
+        _ffi.set_runner(run, integration.context_stack())
         _module = _ffi
         jax.ffi.register_ffi_target(TARGET, _ffi.capsule(), platform="cpu")
         _registered = True

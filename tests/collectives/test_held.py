@@ -1,10 +1,11 @@
-"""`all_reduce_held`: an input its caller holds unchanged, reduced in its own memory or into its buffer.
+"""`all_reduce(..., held=True)`: an input its caller holds unchanged, reduced in its own memory or into its buffer.
 
-The torch backend's large all-reduces take it in place, mpitensor.jax's into XLA's result
-buffer. Every rank's result is compared with the NumPy reference of every rank's input, with
-the check on (MPI's blocking all-reduce, once the check agreed) and off (the nonblocking
-one), and the inputs it cannot take (small ones in place, bool, half precision, MAX/MIN of
-floats, MEAN of integers) still give `all_reduce`'s result, in `out` where one is given.
+The torch backend's all-reduces take it in place, mpitensor.jax's into XLA's result buffer.
+Every rank's result is compared with the NumPy reference of every rank's input, with the
+check on (MPI's blocking all-reduce, once the check agreed) and off (the nonblocking one),
+and the inputs MPI cannot reduce where they are (small ones in place, bool, half precision,
+MAX/MIN of floats) are reduced by the ordinary all-reduce, their result written into the
+caller's buffer; a result of another dtype (MEAN of integers) cannot land in the input.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._collectives.all_reduce import all_reduce_held
 from tests.helpers import OP, assert_matches, rank_input, reference, rejects, seed_of
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -28,16 +28,6 @@ def held_ctx(request):
         yield ctx
 
 
-def in_place_expected(op: mt.ReduceOperation, dtype: np.dtype, nbytes: int) -> bool:
-    """Whether the call must be reduced in the input's memory (where it need not, it may)."""
-    dtype = np.dtype(dtype)
-    if nbytes <= 64 << 10 or dtype.kind == "b" or dtype.itemsize == 2 or dtype == np.int8:
-        return False  # small, bool, half precision; int8 sums are widened where MPI gets them wrong
-    if op is OP.MEAN:
-        return dtype.kind in "fc"
-    return not (op in (OP.MAX, OP.MIN) and dtype.kind in "fc")
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", list(OP), ids=lambda o: o.name)
@@ -47,26 +37,34 @@ def test_every_op_and_dtype_against_numpy(held_ctx, op, dtype, shape):
     array = rank_input(seed, ctx.rank, shape, dtype)
     if rejects(op, dtype):
         with pytest.raises(TypeError, match="bitwise reduction"):
-            all_reduce_held(array, op)
+            mt.all_reduce(array, op, held=True)
         return
-    result = all_reduce_held(array, op).resolve().numpy()
-    assert_matches(result, reference(op, [rank_input(seed, r, shape, dtype) for r in range(ctx.size)]), op, ctx.size)
-    if in_place_expected(op, dtype, array.nbytes):
-        assert np.shares_memory(result, array), "the result is the input's memory"
+    expected = reference(op, [rank_input(seed, r, shape, dtype) for r in range(ctx.size)])
+    if expected.dtype != array.dtype:  # MEAN of integers: a float64 result cannot land in the input
+        with pytest.raises(TypeError, match="cannot be written into the input"):
+            mt.all_reduce(array, op, held=True)
+        return
+    result = mt.all_reduce(array, op, held=True).resolve().numpy()
+    assert_matches(result, expected, op, ctx.size)
+    assert np.shares_memory(result, array), "the result is the input's memory"
+    assert_matches(array, expected, op, ctx.size)
 
 
-def test_small_inputs_take_all_reduce_and_leave_the_input_unchanged(held_ctx):
+def test_small_inputs_take_all_reduce_and_land_in_the_input(held_ctx):
     ctx = held_ctx
-    array = np.full(100, float(ctx.rank + 1))
-    result = all_reduce_held(array, OP.SUM).resolve().numpy()
-    np.testing.assert_array_equal(result, np.full(100, float(sum(range(1, ctx.size + 1)))))
-    np.testing.assert_array_equal(array, np.full(100, float(ctx.rank + 1)))
+    for turn in range(3):  # the first call of the kind, then its kept plan
+        array = np.full(100, float(ctx.rank + 1 + turn))
+        result = mt.all_reduce(array, OP.SUM, held=True).resolve().numpy()
+        expected = np.full(100, float(sum(range(1 + turn, ctx.size + 1 + turn))))
+        np.testing.assert_array_equal(result, expected)
+        assert np.shares_memory(result, array), "the result is the input's memory"
+        np.testing.assert_array_equal(array, expected)
 
 
 def test_many_calls_in_flight_complete_in_order(held_ctx):
     ctx = held_ctx
     arrays = [np.full(20_000, float(index + ctx.rank)) for index in range(5)]
-    handles = [all_reduce_held(array, OP.SUM) for array in arrays]
+    handles = [mt.all_reduce(array, OP.SUM, held=True) for array in arrays]
     base = sum(range(ctx.size))
     for index, handle in enumerate(handles):
         np.testing.assert_array_equal(handle.resolve().numpy(), np.full(20_000, float(index * ctx.size + base)))
@@ -83,15 +81,15 @@ def test_into_out_every_op_and_dtype_against_numpy(held_ctx, op, dtype, shape):
     kept = array.copy()
     if rejects(op, dtype):
         with pytest.raises(TypeError, match="bitwise reduction"):
-            all_reduce_held(array, op, out=np.empty_like(array))
+            mt.all_reduce(array, op, out=np.empty_like(array), held=True)
         return
     expected = reference(op, [rank_input(seed, r, shape, dtype) for r in range(ctx.size)])
     if expected.dtype != array.dtype:  # MEAN of integers: all_reduce's float64 result, out not taken
         with pytest.raises(TypeError, match="but the result has dtype float64"):
-            all_reduce_held(array, op, out=np.empty_like(array)).resolve()
+            mt.all_reduce(array, op, out=np.empty_like(array), held=True).resolve()
         return
     out = np.empty_like(array)
-    result = all_reduce_held(array, op, out=out).resolve().numpy()
+    result = mt.all_reduce(array, op, out=out, held=True).resolve().numpy()
     assert np.shares_memory(result, out), "the result is out"
     assert_matches(out, expected, op, ctx.size)
     np.testing.assert_array_equal(array, kept)
@@ -104,16 +102,16 @@ def test_into_out_refuses_what_it_cannot_write_on_the_calling_rank(held_ctx):
                          (np.ones(2000)[::2], "out must be"), (memory[1:], "overlaps the input"),
                          (array.tolist(), "out must be")]:
         with pytest.raises(ValueError, match=message):
-            all_reduce_held(array, OP.SUM, out=out)
-    result = all_reduce_held(array, OP.SUM, out=np.empty(1000)).resolve().numpy()  # nothing was started
+            mt.all_reduce(array, OP.SUM, out=out, held=True)
+    result = mt.all_reduce(array, OP.SUM, out=np.empty(1000), held=True).resolve().numpy()  # nothing was started
     np.testing.assert_array_equal(result, np.full(1000, float(held_ctx.size)))
 
 
 # A held call in place (rank 0) against a peer's all_reduce, and a held call into out against
 # a peer's held call in place: each pair is told apart by the check, never run as two algorithms.
 _CALLS = {
-    "held in place": lambda array: all_reduce_held(array, OP.SUM),
-    "held into out": lambda array: all_reduce_held(array, OP.SUM, out=np.empty_like(array)),
+    "held in place": lambda array: mt.all_reduce(array, OP.SUM, held=True),
+    "held into out": lambda array: mt.all_reduce(array, OP.SUM, out=np.empty_like(array), held=True),
     "all_reduce": lambda array: mt.all_reduce(array, OP.SUM),
 }
 

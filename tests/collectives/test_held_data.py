@@ -18,15 +18,7 @@ import pytest
 
 import mpitensor as mt
 from mpitensor._collectives import native
-from mpitensor._collectives.held import (
-    all_gather_held,
-    all_to_all_held,
-    broadcast_held,
-    data_lane,
-    gather_held,
-    reduce_held,
-    reducible,
-)
+from mpitensor._collectives.held import data_plan, reducible
 from tests.helpers import OP, assert_matches, expect_mismatch, rank_input, reference, seed_of, still_usable
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -40,6 +32,26 @@ KINDS = ["broadcast", "all_gather", "all_to_all", "gather", "reduce"]
 SHAPES = {"0-d": lambda size: (), "3 rows": lambda size: (3 * size,), "80 KB": lambda size: (20_000 * size,),
           "5x7": lambda size: (size, 5, 7)}
 DTYPES = [np.float32, np.float64, np.int8, np.complex128, np.bool_]
+
+
+def broadcast_held(array: np.ndarray, out: np.ndarray, root: int) -> mt.CollectiveTensor:
+    return mt.broadcast(array, root=root, out=out, held=True)
+
+
+def all_gather_held(array: np.ndarray, out: np.ndarray) -> mt.CollectiveTensor:
+    return mt.all_gather(array, out=out, held=True)
+
+
+def all_to_all_held(array: np.ndarray, out: np.ndarray) -> mt.CollectiveTensor:
+    return mt.all_to_all(array, out=out, held=True)
+
+
+def gather_held(array: np.ndarray, out: np.ndarray, root: int) -> mt.CollectiveTensor:
+    return mt.gather(array, root, out=out, held=True)
+
+
+def reduce_held(array: np.ndarray, out: np.ndarray, op: object, root: int) -> mt.CollectiveTensor:
+    return mt.reduce(array, op, root=root, out=out, held=True)
 
 
 def _held(kind: str, array: np.ndarray, size: int, rank: int, root: int, op: object = OP.SUM) -> np.ndarray:
@@ -92,7 +104,7 @@ def test_repeated_calls_match_numpy(kind, shape_of, dtype):
         probe = np.empty(shape, dtype)
         rooted = kind in ("broadcast", "gather", "reduce")
         op = OP.SUM if kind == "reduce" else None
-        assert (data_lane(ctx, kind, probe, root if rooted else -1, op) is not None) == has_lane
+        assert (data_plan(ctx, kind, probe, root if rooted else -1, op) is not None) == has_lane
         assert not ctx.engine.busy()
         still_usable(ctx)
 
@@ -100,16 +112,20 @@ def test_repeated_calls_match_numpy(kind, shape_of, dtype):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", [OP.MAX, OP.BXOR, OP.PROD], ids=lambda o: o.name)
 def test_reductions_on_the_lane_and_those_it_refuses(op):
-    """Integer reductions MPI makes itself are held; a float MAX (encoded), a MEAN (divided) are refused."""
+    """Integer reductions MPI makes itself are held; a float MAX (encoded), a MEAN (divided) and a bool's take the
+    general reduce, their result (off the root the input) written into the caller's buffer."""
     with mt.DistributedContext.init() as ctx:
         for turn in range(3):
             inputs = [rank_input(seed_of("held-reduce", op.name, turn), r, (40,), np.int32) for r in range(ctx.size)]
             got = _held("reduce", inputs[ctx.rank], ctx.size, ctx.rank, 0, op)
             assert_matches(got, _expected("reduce", inputs, ctx.rank, 0, op), op, ctx.size)
-        for refused, dtype in ((OP.MAX, np.float32), (OP.MEAN, np.float64), (OP.SUM, np.bool_)):
-            assert not reducible(refused, dtype)
-            with pytest.raises(ValueError, match="use reduce"):
-                reduce_held(np.ones(4, dtype), np.empty(4, dtype), refused, 0)
+        for encoded, dtype in ((OP.MAX, np.float32), (OP.MEAN, np.float64), (OP.SUM, np.bool_)):
+            assert not reducible(encoded, dtype)
+            for turn in range(2):
+                seed = seed_of("held-reduce-general", encoded.name, turn)
+                inputs = [rank_input(seed, r, (4,), dtype) for r in range(ctx.size)]
+                got = _held("reduce", inputs[ctx.rank], ctx.size, ctx.rank, 0, encoded)
+                assert_matches(got, _expected("reduce", inputs, ctx.rank, 0, encoded), encoded, ctx.size)
         still_usable(ctx)
 
 
@@ -123,7 +139,7 @@ def test_run_held_moves_the_data_at_once_and_declines_what_it_cannot_take():
         for kind in ("broadcast", "all_gather"):
             for _ in range(2):
                 _held(kind, np.ones(shape), ctx.size, ctx.rank, 0)
-        lanes = data_lane(ctx, "broadcast", np.ones(shape), 0), data_lane(ctx, "all_gather", np.ones(shape))
+        lanes = data_plan(ctx, "broadcast", np.ones(shape), 0), data_plan(ctx, "all_gather", np.ones(shape))
         for turn in range(3):
             inputs = [rank_input(seed_of("run-held", turn), r, shape, np.float64) for r in range(ctx.size)]
             if turn == 2 and ctx.rank == ctx.size - 1:
@@ -204,4 +220,4 @@ def test_unchecked_calls_post_the_nonblocking_calls(kind):
             got = _held(kind, inputs[ctx.rank], ctx.size, ctx.rank, root)
             assert_matches(got, _expected(kind, inputs, ctx.rank, root), OP.SUM, ctx.size)
         op = OP.SUM if kind == "reduce" else None
-        assert data_lane(ctx, kind, inputs[0], root if kind in ("broadcast", "gather", "reduce") else -1, op) is None
+        assert data_plan(ctx, kind, inputs[0], root if kind in ("broadcast", "gather", "reduce") else -1, op) is None

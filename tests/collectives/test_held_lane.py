@@ -1,4 +1,4 @@
-"""`all_reduce_held`'s compiled lane: repeated calls of a kind reduced in one C call, as the Python path reduces them.
+"""The held all-reduce's compiled plan: repeated calls of a kind reduced in one C call, as the Python path reduces them.
 
 From the second call of a kind (dtype, shape, op, in place or into `out`) on the full group
 with the check on, a call takes the kind's compiled lane: the check's row, then MPI's
@@ -19,8 +19,18 @@ import pytest
 
 import mpitensor as mt
 from mpitensor._collectives import native
-from mpitensor._collectives.all_reduce import HELD_LANES, all_reduce_held
-from tests.helpers import OP, assert_matches, expect_mismatch, rank_input, reference, rejects, seed_of, still_usable
+from mpitensor._collectives.lane import CopiedInto
+from tests.helpers import (
+    OP,
+    assert_matches,
+    expect_mismatch,
+    kept_plan,
+    rank_input,
+    reference,
+    rejects,
+    seed_of,
+    still_usable,
+)
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -34,7 +44,9 @@ OPS = [OP.SUM, OP.PROD, OP.MAX, OP.MIN, OP.MEAN, OP.BAND, OP.BOR, OP.BXOR]
 
 
 def _lane(ctx: mt.DistributedContext, dtype: object, op: object, into: bool) -> object:
-    return ctx.full_group.extra.get(HELD_LANES, {}).get((np.dtype(dtype), SHAPE, op, into))
+    """The compiled held lane of the kind, or None (none kept, or a plan the ordinary all-reduce serves)."""
+    plan = kept_plan(ctx, "all_reduce", np.dtype(dtype), SHAPE, op, "held", into)
+    return None if isinstance(plan, CopiedInto) else plan
 
 
 def _kept_lane(ctx: mt.DistributedContext, into: bool) -> object:
@@ -49,9 +61,8 @@ def _kept_lane(ctx: mt.DistributedContext, into: bool) -> object:
 def _held(array: np.ndarray, op: object, into: bool) -> np.ndarray:
     """The held all-reduce of `array`, in place or into a fresh `out` (the caller's buffer where it is held)."""
     out = np.empty_like(array) if into else None
-    result = all_reduce_held(array, op, out=out).resolve().numpy()
-    held = into or not (op in (OP.MAX, OP.MIN) and array.dtype.kind in "fc")  # else all_reduce's fresh result
-    assert not held or np.shares_memory(result, out if into else array), "the result is the caller's buffer"
+    result = mt.all_reduce(array, op, out=out, held=True).resolve().numpy()
+    assert np.shares_memory(result, out if into else array), "the result is the caller's buffer"
     return result
 
 
@@ -92,7 +103,7 @@ def test_a_mismatch_met_on_the_lane_is_caught_on_every_rank():
     with mt.DistributedContext.init() as ctx:
         _kept_lane(ctx, True)
         shape = (19_999,) if ctx.rank == ctx.size - 1 else SHAPE
-        expect_mismatch(lambda: all_reduce_held(np.ones(shape), OP.SUM, out=np.empty(shape)), "20000", "19999")
+        expect_mismatch(lambda: mt.all_reduce(np.ones(shape), OP.SUM, out=np.empty(shape), held=True), "20000", "19999")
         np.testing.assert_array_equal(_held(np.ones(SHAPE), OP.SUM, True), np.full(SHAPE, float(ctx.size)))
         still_usable(ctx)
 
@@ -113,7 +124,7 @@ def test_calls_the_lane_declines_take_the_python_path():
         assert seen == [None], "another thread's call is declined"
         members = list(range(ctx.size))
         for _ in range(2):
-            result = all_reduce_held(np.ones(SHAPE), OP.SUM, members).resolve().numpy()
+            result = mt.all_reduce(np.ones(SHAPE), OP.SUM, members, held=True).resolve().numpy()
             np.testing.assert_array_equal(result, np.full(SHAPE, float(ctx.size)))
         still_usable(ctx)
     for config in (mt.DistributedConfig(check=False), mt.DistributedConfig(trace=os.devnull)):
@@ -128,7 +139,7 @@ def test_calls_the_lane_declines_take_the_python_path():
 def test_run_held_reduces_at_once_and_declines_as_start_held():
     """`run_held` (what a compiled program's handler calls): the result in `out` when it returns,
     a late peer waited for; overlapping arrays and another thread's call declined, and an
-    overlapping `out` refused by `all_reduce_held` as on its first call."""
+    overlapping `out` refused by the held all-reduce as on its first call."""
     with mt.DistributedContext.init() as ctx:
         lane = _kept_lane(ctx, True)
         for turn in range(3):
@@ -148,6 +159,6 @@ def test_run_held_reduces_at_once_and_declines_as_start_held():
         thread.join()
         assert seen == [None], "another thread's call is declined"
         with pytest.raises(ValueError, match="overlaps the input"):
-            all_reduce_held(array, OP.SUM, out=overlapping)
+            mt.all_reduce(array, OP.SUM, out=overlapping, held=True)
         np.testing.assert_array_equal(_held(np.ones(SHAPE), OP.SUM, True), np.full(SHAPE, float(ctx.size)))
         still_usable(ctx)

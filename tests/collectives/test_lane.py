@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import mpitensor as mt
-from mpitensor._collectives.lane import LANE_BYTES, LANES, CheckLane, CopyLane, PlainLane
+from mpitensor._collectives.lane import LANE_BYTES, CheckLane, CopyLane, PlainLane
 from mpitensor._collectives.native import LaneTensor
+from mpitensor._collectives.plans import PLANS
 from mpitensor._transport.mpi import SMALL_BYTES
 from tests.helpers import OP, agree, rank_input, reference, rejects, seed_of, still_usable, tolerance
 
@@ -25,7 +26,9 @@ SHAPES = [(), (0,), (3,), (2, 5), (1000,), (SMALL_BYTES // 8 + 1,), (40_000,)]
 
 
 def _lanes(ctx: mt.DistributedContext) -> dict:
-    return ctx.full_group.extra.get(LANES, {})
+    """The all-reduce lanes of `ctx`'s plan cache, by (dtype, shape, op)."""
+    plans = ctx.full_group.extra.get(PLANS, {})
+    return {key[1:]: plan for key, plan in plans.items() if key[0] == "all_reduce" and len(key) == 4}
 
 
 @pytest.mark.parametrize("check", [False, True])
@@ -145,7 +148,7 @@ def test_a_closed_context_is_refused_on_the_lane():
     with pytest.raises(mt.MpitensorError):
         mt.all_reduce(np.ones(3))
     with mt.DistributedContext.init() as ctx:
-        assert LANES not in ctx.full_group.extra, "lanes belong to their context"
+        assert PLANS not in ctx.full_group.extra, "lanes belong to their context"
         assert mt.all_reduce(np.ones(3)).resolve().numpy().tolist() == [float(ctx.size)] * 3
 
 

@@ -21,11 +21,20 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes
 
 import mpitensor as mt
-from mpitensor._collectives.lane import LANES
 from mpitensor._transport import shm as _shm
 from mpitensor._transport.mpi import SMALL_BYTES
 from mpitensor._transport.shm.arena import Lease
-from tests.helpers import ALL_DTYPES, ARITHMETIC, OP, every_rank_settings, rank_input, reference, seed_of, tolerance
+from tests.helpers import (
+    ALL_DTYPES,
+    ARITHMETIC,
+    OP,
+    every_rank_settings,
+    kept_plan,
+    rank_input,
+    reference,
+    seed_of,
+    tolerance,
+)
 
 try:
     import ml_dtypes
@@ -250,8 +259,7 @@ def test_repeated_calls_on_their_lane_give_the_same_bits(module_ctx, op, dtype, 
             mine[...] = 0  # the call copied (or carried) it
             results.append(pending.resolve().numpy())
             expected.append(extremum_reference(op, everyone))
-        lanes = ctx.full_group.extra.get(LANES, {})
-        on_lane = lanes.get((dtype, shape, op)) is not None
+        on_lane = kept_plan(ctx, "all_reduce", dtype, shape, op) is not None
         identical = identical_on_every_rank(ctx, np.concatenate(results))
     for turn, (got, want) in enumerate(zip(results, expected)):
         assert_same_bits(got, want, f"call {turn}")

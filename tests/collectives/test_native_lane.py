@@ -18,9 +18,19 @@ import pytest
 
 import mpitensor as mt
 from mpitensor._collectives import native
-from mpitensor._collectives.lane import LANES
 from mpitensor._collectives.native import LaneTensor
-from tests.helpers import OP, agree, rank_input, reference, rejects, same, seed_of, still_usable, tolerance
+from tests.helpers import (
+    OP,
+    agree,
+    kept_plan,
+    rank_input,
+    reference,
+    rejects,
+    same,
+    seed_of,
+    still_usable,
+    tolerance,
+)
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -35,7 +45,7 @@ SHAPES = [(), (0,), (2,), (3, 2), (1000,)]
 
 
 def _compiled(ctx: mt.DistributedContext, dtype: object, shape: tuple[int, ...], op: object) -> object:
-    lane = ctx.full_group.extra.get(LANES, {}).get((np.dtype(dtype), shape, op))
+    lane = kept_plan(ctx, "all_reduce", np.dtype(dtype), shape, op)
     return None if lane is None else lane.compiled
 
 
@@ -106,7 +116,7 @@ def test_which_kinds_have_a_compiled_lane():
         assert _compiled(ctx, np.float32, (3,), None) is not None
         assert _compiled(ctx, np.float32, (3,), OP.MEAN) is not None, "MEAN of float32 divides in C"
         assert _compiled(ctx, np.int64, (3,), OP.BXOR) is not None
-        assert ctx.full_group.extra[LANES].get((np.dtype(np.int64), (3,), OP.MEAN)) is None, (
+        assert kept_plan(ctx, "all_reduce", np.dtype(np.int64), (3,), OP.MEAN) is None, (
             "MEAN of integers reduces in float64: no lane at all")
     with mt.DistributedContext.init() as ctx:
         mt.all_reduce(np.ones(3, np.complex64), OP.PROD).resolve()

@@ -50,6 +50,7 @@ from ..._core import state
 from ..._core.config import ReduceOperation, compiled_parts_off
 from ..._core.dtypes import OrderedKeys
 from ..._core.interop import take_quickly
+from ..._core.limits import GATHERED_CHECK_RANKS
 from ..._core.mpi import MPI, pointer_handles
 from ..._core.mpi import module as mpi_module
 from ..._core.tensor import TENSOR_FIELDS, Tensor
@@ -171,7 +172,8 @@ def _bind() -> bool:
             handle_class=LaneTensor, handle_fields=HANDLE_FIELDS, open_contexts=state.open_contexts,
             states=STATES, later=Later, base_resolve=CollectiveTensor.resolve, agree_stage=AGREE_STAGE,
             header_bytes=HEADER_BYTES, payload_bytes=PAYLOAD_BYTES, row_bytes=ROW_BYTES,
-            reap_after=REAP_AFTER, spin_pauses=SPIN_PAUSES, take_quickly=take_quickly, small_bytes=SMALL_BYTES,
+            reap_after=REAP_AFTER, gathered_ranks=GATHERED_CHECK_RANKS,
+            spin_pauses=SPIN_PAUSES, take_quickly=take_quickly, small_bytes=SMALL_BYTES,
             convert=Convert,
         )
     except (RuntimeError, TypeError) as exc:
@@ -319,7 +321,7 @@ def compiled_held_lane(ctx: Any, group: Any, op: Any, array: np.ndarray, plan: A
         traces (its records come from the Python engine), more than 2**31 - 1 elements, or the
         module not bound.
     """
-    if (record is None or not group.gathers or not 2 <= group.size <= 8 or array.size >= 1 << 31
+    if (record is None or not group.gathers or not 2 <= group.size <= GATHERED_CHECK_RANKS or array.size >= 1 << 31
             or (plan.divide and array.dtype not in _DIVIDES) or ctx.engine.tracer is not None or not _bind()):
         return None
     done = Op("all_reduce", group, array.nbytes, lambda: [], record=record)
@@ -352,7 +354,7 @@ def compiled_held_data_lane(ctx: Any, group: Any, kind: str, array: np.ndarray, 
         unchecked calls, groups the check gathers no rows for, a context that traces, more
         than 2**31 - 1 bytes, or the module not bound.
     """
-    if (record is None or not group.gathers or not 2 <= group.size <= 8 or array.nbytes >= 1 << 31
+    if (record is None or not group.gathers or not 2 <= group.size <= GATHERED_CHECK_RANKS or array.nbytes >= 1 << 31
             or ctx.engine.tracer is not None or not _bind()):
         return None
     done = Op(kind, group, array.nbytes, lambda: [], record=record)

@@ -790,8 +790,8 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (ok) ok = (lane->release = PyObject_GetAttr(lock, names.release)) != NULL;
     if (ok) ok = (lane->nbytes_obj = PyLong_FromSsize_t((Py_ssize_t)lane->nbytes)) != NULL;
     /* The check's rows are gathered (2-8 ranks), and a carried call reduces at least two. */
-    if (ok && record != Py_None && (lane->size < 2 || lane->size > 8)) {
-        PyErr_SetString(PyExc_ValueError, "a checked lane needs a group of 2 to 8 ranks, whose checks gather rows");
+    if (ok && record != Py_None && (lane->size < 2 || lane->size > consts.gathered_ranks)) {
+        PyErr_SetString(PyExc_ValueError, "a checked lane needs a group whose checks gather rows (2 to gathered_ranks ranks)");
         ok = 0;
     }
     int rooted = lane->collective == OF_BROADCAST || lane->collective == OF_GATHER || lane->collective == OF_REDUCE;

@@ -34,12 +34,12 @@ int names_init(void) {
 static const char *bind_keywords[] = {
     "mpi", "pointer_handles", "op_class", "tensor_class", "tensor_fields", "handle_class", "handle_fields",
     "open_contexts", "states", "later", "base_resolve", "agree_stage", "header_bytes", "payload_bytes",
-    "row_bytes", "reap_after", "spin_pauses", "take_quickly", "small_bytes", "convert", NULL};
+    "row_bytes", "reap_after", "gathered_ranks", "spin_pauses", "take_quickly", "small_bytes", "convert", NULL};
 
 PyDoc_STRVAR(bind_doc,
 "bind(*, mpi, pointer_handles, op_class, tensor_class, tensor_fields, handle_class, handle_fields,\n"
 "     open_contexts, states, later, base_resolve, agree_stage, header_bytes, payload_bytes,\n"
-"     row_bytes, reap_after, spin_pauses, take_quickly, small_bytes, convert)\n--\n\n"
+"     row_bytes, reap_after, gathered_ranks, spin_pauses, take_quickly, small_bytes, convert)\n--\n\n"
 "Bind the module to the running MPI and to the Python classes it works with (once).\n\n"
 "mpi: the mpi4py.MPI module; pointer_handles: whether MPI's handles are pointers. op_class,\n"
 "tensor_class, handle_class: the engine's Op, Tensor and the lane handle class; tensor_fields\n"
@@ -47,7 +47,8 @@ PyDoc_STRVAR(bind_doc,
 "gives C their layout. open_contexts: the stack of open contexts. states: the op states\n"
 "CHECKING .. FAILED. later: the class of values settled by the Python resolve, base_resolve\n"
 "that resolve. The rest: the check's first stage and the row layout, the\n"
-"count of posted ops beyond which the Python path reaps, and the engine's spin_pauses where\n"
+"count of posted ops beyond which the Python path reaps, the largest group whose checks gather\n"
+"rows (a checked lane's group has 2 to gathered_ranks ranks), and the engine's spin_pauses where\n"
 "each rank has a core (fewer: more ranks than cores). take_quickly(value, small_bytes): a\n"
 "number's or CPU torch tensor's array and converter back, which `convert(value, back)` hangs\n"
 "on its handle. The handle class gets the compiled resolve().\n\n"
@@ -61,16 +62,16 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     PyObject *later, *base_resolve, *take_quickly, *small_bytes, *convert;
     int pointer_handles;
     if (consts.bound) Py_RETURN_NONE;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiiiiiiOO!O", (char **)bind_keywords, &mpi4py,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiiiiiiiOO!O", (char **)bind_keywords, &mpi4py,
                                      &pointer_handles, &op_class, &tensor_class, &tensor_fields, &handle_class,
                                      &handle_fields, &PyList_Type, &contexts, &PyTuple_Type, &states, &later,
                                      &base_resolve, &consts.agree_stage, &consts.header_bytes,
-                                     &consts.payload_bytes, &consts.row_bytes, &consts.reap_after,
+                                     &consts.payload_bytes, &consts.row_bytes, &consts.reap_after, &consts.gathered_ranks,
                                      &consts.spin_pauses, &take_quickly, &PyLong_Type, &small_bytes, &convert))
         return NULL;
     if (PyTuple_GET_SIZE(states) != 5 || !PyType_Check(later) || !PyCallable_Check(base_resolve) ||
         !PyCallable_Check(take_quickly) || !PyType_Check(convert) ||
-        consts.header_bytes != 16 || consts.row_bytes != consts.header_bytes + consts.payload_bytes) {
+        consts.header_bytes != 16 || consts.gathered_ranks < 2 || consts.row_bytes != consts.header_bytes + consts.payload_bytes) {
         PyErr_SetString(PyExc_TypeError, "bind(): five states, a class, a function and a 16-byte header");
         return NULL;
     }

@@ -118,6 +118,7 @@ typedef struct {
     int agree_stage;                /* the check's first stage (engine._AGREE) */
     int header_bytes, payload_bytes, row_bytes;
     int reap_after;                 /* posted ops beyond which the Python path reaps */
+    int gathered_ranks;             /* the largest group whose checks gather rows */
     int spin_pauses;                /* Engine.spin_pauses where each rank has a core */
     int bound;
 } Constants;

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._core.limits import SMALL_BYTES
 from ..._core.mpi import MPI
 from ..base import ReduceCall
 from ..reduction import reduction_buffers, reduction_input
@@ -21,11 +22,6 @@ __all__ = [
     "all_reduce_buffers", "held_all_reduce", "in_place", "is_small", "out_of_place",
 ]
 
-# Up to this size a copy of the input costs less than write-protecting it in flight (and
-# a call of a kind repeated takes its lane, `_collectives/lane.py`). Measured at 64 KiB in one
-# process: 1.4 us for the copy against 1.7 us to protect the input and release it, plus a
-# result buffer. Above, MPICH's in-place all-reduce got slower (2x at 256 KiB on 2 ranks).
-SMALL_BYTES = 64 << 10
 
 
 def in_place(comm: Any, buffer: np.ndarray, plan: Any) -> list[Any]:
@@ -141,7 +137,7 @@ class HeldUnchecked:
 
     Nothing is copied or protected: MPI reads the caller's input and writes the caller's
     result buffer, or reduces the input in place where the two are one array. Held inputs
-    have no MAX/MIN keys (`all_reduce_held` takes no plan with a codec). It takes every
+    have no MAX/MIN keys (a held all-reduce takes no plan with a codec). It takes every
     call: it ends the held all-reduce's list, for the unchecked calls `Held` leaves.
     """
 

@@ -6,11 +6,11 @@ import mmap
 import os
 from typing import Any
 
+from ..._core.limits import SHARED_MEMORY_MIN_BYTES
+
 __all__ = ["MAX_CACHED_BYTES", "MAX_PEER_MAP_BYTES", "PAGE", "PIECE_BYTES", "cpu_count", "may_apply", "min_bytes"]
 
-# Below this, MPI's own all-reduce plus the direct path's per-call work was faster in every
-# run of the benchmark (2 and 4 ranks, both MPIs, 256 KiB); from 512 KiB this path mostly wins.
-DEFAULT_MIN_BYTES = 512 << 10
+DEFAULT_MIN_BYTES = SHARED_MEMORY_MIN_BYTES
 # Reduce in pieces that stay in the core's cache, so that copying a reduced piece to the
 # peers' result blocks reads it from cache instead of memory.
 PIECE_BYTES = 1 << 20
