@@ -157,10 +157,12 @@ def held_key(array: np.ndarray, op: Any, into: bool) -> tuple[Any, ...]:
 
 
 class CopiedInto:
-    """The plan of held all-reduces that an ordinary one serves: its lane, the result copied into the caller's buffer.
+    """The plan of held all-reduces that an ordinary one serves: its lane, the result in the caller's buffer.
 
-    For held calls MPI cannot reduce where they are (small ones in place, bool, MAX/MIN of
-    floats) and those into another buffer below `HELD_INTO_BYTES` (`all_reduce._copied`).
+    For held calls MPI cannot reduce where they are as a held call (small ones in place,
+    bool, MAX/MIN of floats) and those into another buffer below `HELD_INTO_BYTES`
+    (`all_reduce._copied`). The compiled lane reduces into the caller's buffer itself
+    (``start_into``); the Python lane's fresh result is copied in when the call resolves.
 
     Args:
         lane: the lane of the ordinary calls of the kind.
@@ -172,12 +174,15 @@ class CopiedInto:
         self.lane = lane
 
     def start_held(self, array: np.ndarray, out: np.ndarray) -> CollectiveTensor | None:
-        """Start the call of `array` on the lane, its result copied into `out` (`array` itself in place).
+        """Start the call of `array` on the lane, its result in `out` (`array` itself in place).
 
         Returns:
             The handle; None where the lane declines the call, or `out` is not a buffer of the
             kind (the general path then takes the call, and says what is wrong).
         """
+        compiled = self.lane.compiled
+        if compiled is not None:
+            return compiled.start_into(array, out)
         ctx = self.lane.ctx
         if not ctx.usable or ctx.owner_thread != get_ident():
             return None
@@ -185,7 +190,7 @@ class CopiedInto:
                                  or not out.flags.c_contiguous or not out.flags.writeable
                                  or np.shares_memory(array, out)):
             return None
-        handle = self.lane.start(None, array)
+        handle = self.lane.start_here(None, array)
         return None if handle is None else follow(handle, partial(written_into, out))
 
 

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 import mpitensor as mt
 
-from .._collectives.all_reduce import all_reduce_held
 from .._transport.mpi.side import SideComm
 from ._arrays import host_view, numpy_dtype, torch_view
 from ._completer import Completer
@@ -35,16 +34,6 @@ from ._work import Work, finished_work, waited
 __all__ = ["BACKEND_NAME", "ProcessGroupMpitensor"]
 
 BACKEND_NAME = "mpitensor"
-# The largest tensor a synchronous all-reduce sends through its NumPy view (the compiled
-# lane's copies); larger CPU tensors are reduced in place through theirs (`_held_view`).
-_SMALL_BYTES = 64 << 10
-# The dtypes `all_reduce_held` reduces in place (NumPy shows them; bool and half precision
-# are reduced through a converted copy anyway).
-_HELD_DTYPES = frozenset({
-    torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-    torch.complex64, torch.complex128,
-})
-
 # Tags of monitored_barrier's messages: the two highest mpitensor allows (torch programs'
 # own tags are small).
 _ARRIVE_TAG = 16382
@@ -149,13 +138,14 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         if self._completer.on_thread():
             return finished_work(self._completer, self._hooks.all_reduce(tensors, opts, self._completer.chain))
         if opts is not None and not opts.asyncOp and self._devices is None and len(tensors) == 1:
-            small = _small_call(tensors[0], opts)
-            if small is not None:
-                # A small tensor reduced through its NumPy view: the array's compiled lane,
-                # and the result written back with NumPy, no torch tensor made on the way.
-                # Nothing here can fail before mpitensor's own call, so no door is needed.
-                view, op = small
-                _write_back(tensors[0], view, mt.all_reduce(view, op).resolve(self._timeout).numpy())
+            direct = _direct_call(tensors[0], opts)
+            if direct is not None:
+                # A CPU tensor reduced in its own memory through its NumPy view (torch's contract,
+                # a tensor in a collective untouched until its work is waited for, is a held
+                # call's): the kind's kept plan, no torch tensor made on the way. Nothing here
+                # can fail before mpitensor's own call, so no door is needed.
+                view, op = direct
+                mt.all_reduce(view, op, held=True).resolve(self._timeout)
                 return self._completed
         with mt.collective_call("all_reduce", self._devices):  # an error before the call takes its turn
             return self._all_reduce(tensors, opts)
@@ -166,7 +156,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         for tensor in tensors:
             _check_reduced(tensor, op, "all_reduce")
         waits = opts is not None and not opts.asyncOp
-        views = [_held_view(tensor) if factor is None else None for tensor in tensors]
+        views = [_held_view(tensor, op) if factor is None else None for tensor in tensors]
         handles = [_start_all_reduce(tensor, view, op, devices, factor) for tensor, view in zip(tensors, views)]
         finish = _reduced_into(tensors, views)
         if waits:
@@ -654,23 +644,29 @@ def _as_torch(result: Any, like: torch.Tensor) -> torch.Tensor:
     return torch_view(np.ascontiguousarray(array), like.dtype)
 
 
-def _held_view(tensor: torch.Tensor) -> np.ndarray | None:
-    """The array a CPU tensor larger than `_SMALL_BYTES` is all-reduced in (`all_reduce_held`); else None.
+def _held_view(tensor: torch.Tensor, op: mt.ReduceOperation) -> np.ndarray | None:
+    """The array a CPU tensor is all-reduced in, held (the result lands there); None to reduce a copy.
 
     Its NumPy view, or where NumPy cannot show the tensor as it is (a conjugate or negative
-    bit, a subclass that refuses) a private copy: whether a tensor takes the held path should
-    depend only on what the ranks agree on (device, dtype, size), or one rank would run
-    ``all_reduce_held`` and its peer ``all_reduce`` (a mismatch, if a clear one). A tensor
-    that requires grad is the exception: written through NumPy, autograd would not see it.
+    bit, a subclass that refuses) a private copy: whether a tensor takes the held call should
+    depend only on what the ranks agree on (device, dtype, op), or one rank would run the held
+    call and its peer the ordinary one (a mismatch, if a clear one); mpitensor chooses how a
+    held call moves its data. None for a tensor that requires grad (written through NumPy,
+    autograd would not see it), a dtype NumPy lacks (bfloat16), and AVG of integers (torch
+    casts its float result back, which a held call cannot write).
     """
-    if (not tensor.is_cpu or tensor.nbytes <= _SMALL_BYTES or tensor.dtype not in _HELD_DTYPES
-            or tensor.requires_grad):  # autograd must see the write (torch.Tensor.copy_ shows it)
+    if (not tensor.is_cpu or tensor.requires_grad
+            or (op is mt.ReduceOperation.MEAN and not (tensor.is_floating_point() or tensor.is_complex()))):
         return None
     detached = tensor.detach()
     try:
         return detached.numpy()
     except (TypeError, RuntimeError):
+        pass
+    try:
         return detached.resolve_conj().resolve_neg().clone().numpy()
+    except (TypeError, RuntimeError):  # a dtype NumPy lacks (bfloat16): every rank alike
+        return None
 
 
 def _start_all_reduce(tensor: torch.Tensor, view: np.ndarray | None, op: mt.ReduceOperation,
@@ -678,8 +674,8 @@ def _start_all_reduce(tensor: torch.Tensor, view: np.ndarray | None, op: mt.Redu
     """Start one tensor's all-reduce: in place through its `view` where it has one."""
     if view is not None:
         # torch's contract (a tensor in a collective is not touched until its work is waited
-        # for) is the promise all_reduce_held asks for.
-        return all_reduce_held(view, op, devices)
+        # for) is the promise a held call asks for.
+        return mt.all_reduce(view, op, devices, held=True)
     if devices is None and factor is None:
         return mt.all_reduce(tensor, op)  # the form the compiled lane takes
     return mt.all_reduce(tensor, op, devices, prescale_factor=factor)
@@ -699,37 +695,18 @@ def _reduced_into(tensors: Sequence[torch.Tensor], views: Sequence[np.ndarray | 
     return finish
 
 
-def _small_call(tensor: torch.Tensor, opts: Any) -> tuple[np.ndarray, mt.ReduceOperation] | None:
-    """The view and operation of a small synchronous all-reduce that no check of ours or mpitensor's can refuse.
+def _direct_call(tensor: torch.Tensor, opts: Any) -> tuple[np.ndarray, mt.ReduceOperation] | None:
+    """The view and operation of a synchronous all-reduce that no check of ours or mpitensor's can refuse.
 
     None sends the call the general way, where every check runs inside the call's door.
     """
-    view = _small_view(tensor)
-    if view is None or not tensor.is_contiguous():
+    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or not tensor.is_contiguous():
         return None
     op = known_operation(opts.reduceOp)
-    if op is None or (op in _BITWISE and view.dtype.kind not in "biu"):
+    if op is None or (op in _BITWISE and (tensor.is_floating_point() or tensor.is_complex())):
         return None
-    return view, op
-
-
-def _small_view(tensor: torch.Tensor) -> np.ndarray | None:
-    """A NumPy view of a small CPU tensor NumPy can show as it is (no grad, no conjugate or negative bit); else None."""
-    if (type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or not tensor.is_cpu
-            or tensor.nbytes > _SMALL_BYTES):
-        return None
-    try:
-        return tensor.numpy()
-    except (TypeError, RuntimeError):  # bfloat16, requires grad, ...
-        return None
-
-
-def _write_back(tensor: torch.Tensor, view: np.ndarray, result: np.ndarray) -> None:
-    """The result into the tensor: through its view where the dtypes match, else cast as torch casts (AVG of ints)."""
-    if result.dtype == view.dtype:
-        np.copyto(view, result)
-    else:
-        tensor.copy_(torch.from_numpy(result))
+    view = _held_view(tensor, op)
+    return None if view is None or view.ctypes.data != tensor.data_ptr() else (view, op)
 
 
 def _copy_into(tensors: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:

@@ -413,7 +413,16 @@ static void call_clear(Call *call) {
 /* The call's objects; 0, or -1 when one could not be made (nothing is posted: the call is declined). */
 static int call_prepare(Lane *lane, Call *call, PyObject *device, PyArrayObject *array, PyObject *held_out) {
     memset(call, 0, sizeof *call);
-    if (lane->kind == LANE_COPY && lane->keys != KEYS_NONE) {
+    if (held_out != NULL && lane->kind != LANE_HELD) {
+        /* A COPY or CHECK call into the caller's buffer (`start_into`): MPI reduces there in place
+         * (the input copied in first, as keys where MPI reduces keys), or the rows are reduced there. */
+        void *data = PyArray_DATA((PyArrayObject *)held_out);
+        if (lane->kind == LANE_COPY && lane->keys != KEYS_NONE)
+            keys_encode(lane->type_num, lane->keys == KEYS_MAX, PyArray_DATA(array), data, lane->count);
+        else if (lane->kind == LANE_COPY && held_out != (PyObject *)array)
+            memcpy(data, PyArray_DATA(array), (size_t)lane->nbytes);
+        call->out = Py_NewRef(held_out);
+    } else if (lane->kind == LANE_COPY && lane->keys != KEYS_NONE) {
         /* MPI reduces the keys: the copy is made of them. */
         Py_INCREF(lane->descr);
         call->out = PyArray_Empty(lane->ndim, lane->dims, lane->descr, 0);
@@ -929,6 +938,35 @@ static PyObject *Lane_start_held(PyObject *self, PyObject *const *args, Py_ssize
     return start(lane, lane->device, (PyArrayObject *)array, out);
 }
 
+PyDoc_STRVAR(Lane_start_into_doc,
+"start_into(array, out)\n--\n\n"
+"Start the all-reduce of `array` on this COPY or CHECK lane with its result in `out` (`array`\n"
+"itself: in place), for a caller that holds both until the result is resolved (a held call MPI\n"
+"reduces as an ordinary one: small, in place or into a buffer). A COPY call copies the input\n"
+"into `out` (unless it is the input) and MPI reduces it there in place; a CHECK call reduces\n"
+"the carried rows into `out`. Both C-contiguous ndarrays of the lane's dtype and shape, `out`\n"
+"writable and not overlapping `array` unless it is `array`. Returns the handle, or None when\n"
+"the call is declined (buffers not of the lane, another thread, the context unusable, the engine\n"
+"busy with the group): the Python path then takes the call.");
+
+static PyObject *Lane_start_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Lane *lane = (Lane *)self;
+    if (lane->kind == LANE_HELD || nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "start_into(array, out) is a COPY or CHECK lane's, with 2 arguments");
+        return NULL;
+    }
+    PyObject *array = args[0], *out = args[1];
+    if (!of_lane(lane, array) || !of_lane(lane, out) || !PyArray_ISWRITEABLE((PyArrayObject *)out) ||
+        (out != array && overlap(array, out)))
+        Py_RETURN_NONE;
+    int ok = usable_here(lane);
+    if (ok <= 0) {
+        if (ok < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    return start(lane, lane->device, (PyArrayObject *)array, out);
+}
+
 PyDoc_STRVAR(Lane_run_held_doc,
 "run_held(array, out)\n--\n\n"
 "`start_held(array, out)` waiting at the call (`wait_at_call`), then the result resolved: for\n"
@@ -963,8 +1001,8 @@ static PyObject *Lane_run_held(PyObject *self, PyObject *const *args, Py_ssize_t
 
 PyDoc_STRVAR(Lane_run_into_doc,
 "run_into(array, out)\n--\n\n"
-"The all-reduce of `array` on this COPY or CHECK lane waiting at the call (`wait_at_call`),\n"
-"resolved, and its result copied into `out` (writable; both C-contiguous ndarrays of the\n"
+"`start_into(array, out)` waiting at the call (`wait_at_call`), then the result resolved (in\n"
+"`out`, writable, not overlapping `array` unless it is `array`; both C-contiguous ndarrays of the\n"
 "lane's dtype and shape): for a caller that needs the result at once in a buffer of its own\n"
 "(a collective inside a compiled program, called by its handler with no Python around it).\n"
 "True once `out` holds the result; None where the lane declines the call (nothing was posted).\n\n"
@@ -972,26 +1010,18 @@ PyDoc_STRVAR(Lane_run_into_doc,
 
 static PyObject *Lane_run_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Lane *lane = (Lane *)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "run_into(array, out) takes 2 arguments");
+    if (lane->kind == LANE_HELD || nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "run_into(array, out) is a COPY or CHECK lane's, with 2 arguments");
         return NULL;
     }
-    PyObject *array = args[0], *out = args[1];
-    if (lane->kind == LANE_HELD || !of_lane(lane, array) || !of_lane(lane, out) ||
-        !PyArray_ISWRITEABLE((PyArrayObject *)out))
-        Py_RETURN_NONE;
     int previous = waiting_at_call;
     waiting_at_call = 1;
-    PyObject *handle = lane_start(self, Py_None, array);
+    PyObject *handle = Lane_start_into(self, args, nargs);
     waiting_at_call = previous;
     if (handle == NULL || handle == Py_None) return handle;
     PyObject *result = resolved(handle);
     if (result == NULL) return NULL;
-    PyObject *value = Py_IS_TYPE(result, layout.tensor_type) ? SLOT(result, layout.tensor_array) : NULL;
-    int code = value != NULL && PyArray_Check(value) ? PyArray_CopyInto((PyArrayObject *)out, (PyArrayObject *)value) : -1;
-    if (code < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "a lane's result has no array");
     Py_DECREF(result);
-    if (code < 0) return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -1000,6 +1030,7 @@ static PyMethodDef Lane_methods[] = {
     {"start_held", (PyCFunction)(void (*)(void))Lane_start_held, METH_FASTCALL, Lane_start_held_doc},
     {"run_held", (PyCFunction)(void (*)(void))Lane_run_held, METH_FASTCALL, Lane_run_held_doc},
     {"run_into", (PyCFunction)(void (*)(void))Lane_run_into, METH_FASTCALL, Lane_run_into_doc},
+    {"start_into", (PyCFunction)(void (*)(void))Lane_start_into, METH_FASTCALL, Lane_start_into_doc},
     {NULL, NULL, 0, NULL},
 };
 
