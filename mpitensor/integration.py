@@ -15,7 +15,8 @@ group) can use the same ones.
   threads run for the program's thread.
 - `context_stack`: the stack of open contexts, for compiled code that checks which is innermost.
 - `side_communicator`, `thread_multiple`: a communicator for a second thread's calls.
-- `reduce_operation`: the `ReduceOperation` a name or member stands for.
+- `reduce_operation`: the `ReduceOperation` a name or member stands for; `check_dtype`: the
+  error the collectives raise for a dtype (or a reduction of it) they cannot take.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ from ._collectives.held import data_plan
 from ._collectives.lane import order_after_compiled
 from ._collectives.native import wait_at_call as _wait_at_call
 from ._core.config import ReduceOperation, parse_op
+from ._core.dtypes import reduce_plan, transfer_dtype
 from ._core.state import open_contexts
 from ._runtime.context import current_context
 from ._runtime.ordering import run_delegated
 from ._transport.mpi.side import SideComm, has_thread_multiple
 
 __all__ = [
-    "SideComm", "compiled_runner", "context_stack", "order_after_compiled", "reduce_operation", "run_delegated",
-    "side_communicator", "thread_multiple", "wait_at_call",
+    "SideComm", "check_dtype", "compiled_runner", "context_stack", "order_after_compiled", "reduce_operation",
+    "run_delegated", "side_communicator", "thread_multiple", "wait_at_call",
 ]
 
 
@@ -119,3 +121,23 @@ def reduce_operation(op: ReduceOperation | str) -> ReduceOperation:
         ValueError: `op` names no reduction.
     """
     return parse_op(op)
+
+
+def check_dtype(dtype: Any, op: ReduceOperation | str | None = None) -> None:
+    """Raise the `TypeError` mpitensor's collectives raise for arrays of `dtype` (reduced with `op`), if any.
+
+    For a caller that checks a call before it is made (a traced program). The reduction's
+    check needs MPI's tables, so it runs only while a context is open.
+
+    Args:
+        dtype: the arrays' dtype.
+        op: the reduction, or None for a collective that does not reduce.
+
+    Raises:
+        TypeError: MPI and the consistency check cannot carry `dtype`, or `op` cannot reduce it.
+        ValueError: `op` names no reduction.
+    """
+    dtype = np.dtype(dtype)
+    transfer_dtype(dtype)
+    if op is not None and open_contexts:
+        reduce_plan(parse_op(op), dtype)

@@ -23,9 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.config import parse_op
-from .._core.dtypes import reduce_plan, transfer_dtype
-from .._core.state import current_or_none
+from .. import integration
 
 FLOAT0 = np.dtype(jax.dtypes.float0)
 
@@ -53,12 +51,12 @@ def checked(kind: str, dtype: np.dtype, op: str | None = None) -> np.dtype:
             "derivatives are zero without a collective)"
         )
     try:
-        transfer_dtype(dtype)
+        integration.check_dtype(dtype)
     except TypeError as exc:
         raise TypeError(_refusal(kind, dtype, exc)) from None
-    if op is not None and current_or_none() is not None:  # the plan's tables need MPI, which a context started
+    if op is not None:
         try:
-            reduce_plan(parse_op(op), dtype)
+            integration.check_dtype(dtype, op)
         except TypeError as exc:
             raise TypeError(f"mpitensor.jax.{kind}: {exc}") from None
     return dtype

@@ -20,7 +20,8 @@ import torch
 
 import mpitensor as mt
 
-from .._transport.mpi.side import SideComm, has_thread_multiple
+from .. import integration
+from ..integration import SideComm
 from ._reduce_ops import reduce_operation
 
 __all__ = ["HookCollectives"]
@@ -109,7 +110,7 @@ class HookCollectives:
 
 
 def _check_threads() -> None:
-    if not has_thread_multiple():
+    if not integration.thread_multiple():
         raise mt.MpitensorError(
             "a collective inside a future's callback (PowerSGD's hook) needs MPI_THREAD_MULTIPLE, "
             "which this MPI does not provide; use a hook whose callbacks start no collectives"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import mpitensor as mt
 
-from .._transport.mpi.side import SideComm
+from .. import integration
 from ._arrays import host_view, numpy_dtype, torch_view
 from ._completer import Completer
 from ._hooks import HookCollectives
@@ -65,7 +65,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._group_desc = ""
         self._tokens: dict[tuple[int, bool], Any] = {}  # monitored_barrier's receipts left posted
         # Made with the group, as every rank makes it: the communicator of callbacks' collectives.
-        self._hooks = HookCollectives(SideComm(mt.current_context().comm, self._devices), timeout)
+        self._hooks = HookCollectives(integration.side_communicator(self._devices), timeout)
 
     # -- identity ---------------------------------------------------------------------------
 
