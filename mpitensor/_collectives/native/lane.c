@@ -523,7 +523,10 @@ static int held_reduce(Lane *lane, Call *call) {
     const void *source = lane->into ? PyArray_DATA((PyArrayObject *)call->source) : NULL;
     int code;
     Py_BEGIN_ALLOW_THREADS
+    /* The blocking call gives the core back while it waits for a peer (see _core/idle.py). */
+    _Bool yielded = consts.set_yield != NULL ? consts.set_yield(1) : 0;
     code = held_mpi(lane, source, out);
+    if (consts.set_yield != NULL) consts.set_yield(yielded);
     Py_END_ALLOW_THREADS
     if (code != 0) {
         mpi_failed(lane->engine, code, call->op, lane->name);

@@ -34,12 +34,14 @@ int names_init(void) {
 static const char *bind_keywords[] = {
     "mpi", "pointer_handles", "op_class", "tensor_class", "tensor_fields", "handle_class", "handle_fields",
     "open_contexts", "states", "later", "base_resolve", "agree_stage", "header_bytes", "payload_bytes",
-    "row_bytes", "reap_after", "gathered_ranks", "spin_pauses", "take_quickly", "small_bytes", "convert", NULL};
+    "row_bytes", "reap_after", "gathered_ranks", "spin_pauses", "take_quickly", "small_bytes", "convert",
+    "idle_yield", NULL};
 
 PyDoc_STRVAR(bind_doc,
 "bind(*, mpi, pointer_handles, op_class, tensor_class, tensor_fields, handle_class, handle_fields,\n"
 "     open_contexts, states, later, base_resolve, agree_stage, header_bytes, payload_bytes,\n"
-"     row_bytes, reap_after, gathered_ranks, spin_pauses, take_quickly, small_bytes, convert)\n--\n\n"
+"     row_bytes, reap_after, gathered_ranks, spin_pauses, take_quickly, small_bytes, convert,\n"
+"     idle_yield=0)\n--\n\n"
 "Bind the module to the running MPI and to the Python classes it works with (once).\n\n"
 "mpi: the mpi4py.MPI module; pointer_handles: whether MPI's handles are pointers. op_class,\n"
 "tensor_class, handle_class: the engine's Op, Tensor and the lane handle class; tensor_fields\n"
@@ -51,7 +53,9 @@ PyDoc_STRVAR(bind_doc,
 "rows (a checked lane's group has 2 to gathered_ranks ranks), and the engine's spin_pauses where\n"
 "each rank has a core (fewer: more ranks than cores). take_quickly(value, small_bytes): a\n"
 "number's or CPU torch tensor's array and converter back, which `convert(value, back)` hangs\n"
-"on its handle. The handle class gets the compiled resolve().\n\n"
+"on its handle. idle_yield: the address of Open MPI's opal_progress_set_yield_when_idle, which\n"
+"the held calls switch on around their blocking MPI call so that it gives the core back while it\n"
+"waits (0: none). The handle class gets the compiled resolve().\n\n"
 "Raises:\n"
 "    RuntimeError: MPI's functions or mpi4py's C API could not be found (the message says which).\n"
 "    TypeError: a class lacks a slot the module reads.");
@@ -61,13 +65,15 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     PyObject *mpi4py, *op_class, *tensor_class, *tensor_fields, *handle_class, *handle_fields, *contexts, *states;
     PyObject *later, *base_resolve, *take_quickly, *small_bytes, *convert;
     int pointer_handles;
+    unsigned long long idle_yield = 0;
     if (consts.bound) Py_RETURN_NONE;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiiiiiiiOO!O", (char **)bind_keywords, &mpi4py,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiiiiiiiOO!OK", (char **)bind_keywords, &mpi4py,
                                      &pointer_handles, &op_class, &tensor_class, &tensor_fields, &handle_class,
                                      &handle_fields, &PyList_Type, &contexts, &PyTuple_Type, &states, &later,
                                      &base_resolve, &consts.agree_stage, &consts.header_bytes,
                                      &consts.payload_bytes, &consts.row_bytes, &consts.reap_after, &consts.gathered_ranks,
-                                     &consts.spin_pauses, &take_quickly, &PyLong_Type, &small_bytes, &convert))
+                                     &consts.spin_pauses, &take_quickly, &PyLong_Type, &small_bytes, &convert,
+                                     &idle_yield))
         return NULL;
     if (PyTuple_GET_SIZE(states) != 5 || !PyType_Check(later) || !PyCallable_Check(base_resolve) ||
         !PyCallable_Check(take_quickly) || !PyType_Check(convert) ||
@@ -94,6 +100,7 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     consts.take_quickly = Py_NewRef(take_quickly);
     consts.small_bytes = Py_NewRef(small_bytes);
     consts.convert_type = Py_NewRef(convert);
+    consts.set_yield = (yield_setter)(uintptr_t)idle_yield;
     consts.bound = 1;
     Py_RETURN_NONE;
 }

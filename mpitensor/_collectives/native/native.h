@@ -104,6 +104,7 @@ static inline void trace_mark(PyObject *op, int field) {
 }
 
 /* ---- constants the Python side gives at bind time (module.c) --------------------------- */
+typedef _Bool (*yield_setter)(_Bool);
 typedef struct {
     PyObject *open_contexts;        /* _core.state.open_contexts, the stack of contexts */
     PyObject *states[5];            /* the engine's op states as ints: CHECKING .. FAILED */
@@ -120,6 +121,7 @@ typedef struct {
     int reap_after;                 /* posted ops beyond which the Python path reaps */
     int gathered_ranks;             /* the largest group whose checks gather rows */
     int spin_pauses;                /* Engine.spin_pauses where each rank has a core */
+    yield_setter set_yield;         /* Open MPI's opal_progress_set_yield_when_idle, or NULL (_core/idle.py) */
     int bound;
 } Constants;
 

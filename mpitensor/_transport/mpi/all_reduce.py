@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._core.idle import yielding
 from ..._core.limits import SMALL_BYTES
 from ..._core.mpi import MPI
 from ..base import ReduceCall
@@ -192,7 +193,8 @@ def held_all_reduce(comm: Any, send: np.ndarray, out: np.ndarray, plan: Any) -> 
         No request: the reduction is done.
     """
     datatype = plan.datatype
-    comm.Allreduce(MPI.IN_PLACE if send is out else [send, datatype], [out, datatype], plan.mpi_op)
+    with yielding():
+        comm.Allreduce(MPI.IN_PLACE if send is out else [send, datatype], [out, datatype], plan.mpi_op)
     return []
 
 

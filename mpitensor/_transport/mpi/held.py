@@ -3,7 +3,8 @@
 Posted by the engine only once the call's consistency check has agreed, so every peer is
 at the same call and blocking waits for nobody who is not coming (as `all_reduce.Held`).
 What is not reduced moves as ``MPI_BYTE`` (whatever the dtype), the counts the compiled
-held lane passes for the same calls. Each takes ``(comm, source, out, spec)``, as the lane's
+held lane passes for the same calls. Each blocking call gives the core back while it waits
+for a peer (`_core.idle.yielding`). Each takes ``(comm, source, out, spec)``, as the lane's
 queued post calls it.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._core.idle import yielding
 from ..._core.mpi import MPI
 
 __all__ = ["held_all_gather", "held_all_to_all", "held_broadcast", "held_gather", "held_reduce"]
@@ -32,7 +34,8 @@ def held_broadcast(comm: Any, source: np.ndarray, out: np.ndarray, root: int) ->
     """
     if comm.Get_rank() == root:
         np.copyto(out, source)
-    comm.Bcast([out, out.nbytes, MPI.BYTE], root=root)
+    with yielding():
+        comm.Bcast([out, out.nbytes, MPI.BYTE], root=root)
     return []
 
 
@@ -48,7 +51,8 @@ def held_all_gather(comm: Any, source: np.ndarray, out: np.ndarray, plan: Any = 
     Returns:
         No request: the all-gather is done.
     """
-    comm.Allgather([source, source.nbytes, MPI.BYTE], [out, source.nbytes, MPI.BYTE])
+    with yielding():
+        comm.Allgather([source, source.nbytes, MPI.BYTE], [out, source.nbytes, MPI.BYTE])
     return []
 
 
@@ -65,7 +69,8 @@ def held_all_to_all(comm: Any, source: np.ndarray, out: np.ndarray, spec: Any = 
         No request: the exchange is done.
     """
     block = source.nbytes // comm.Get_size()
-    comm.Alltoall([source, block, MPI.BYTE], [out, block, MPI.BYTE])
+    with yielding():
+        comm.Alltoall([source, block, MPI.BYTE], [out, block, MPI.BYTE])
     return []
 
 
@@ -82,7 +87,8 @@ def held_gather(comm: Any, source: np.ndarray, out: np.ndarray, root: int) -> li
         No request: the gather is done.
     """
     at_root = comm.Get_rank() == root
-    comm.Gather([source, source.nbytes, MPI.BYTE], [out, source.nbytes, MPI.BYTE] if at_root else None, root=root)
+    with yielding():
+        comm.Gather([source, source.nbytes, MPI.BYTE], [out, source.nbytes, MPI.BYTE] if at_root else None, root=root)
     if not at_root:
         np.copyto(out, source)
     return []
@@ -103,7 +109,8 @@ def held_reduce(comm: Any, source: np.ndarray, out: np.ndarray, spec: tuple[int,
     """
     root, plan = spec
     at_root = comm.Get_rank() == root
-    comm.Reduce([source, plan.datatype], [out, plan.datatype] if at_root else None, op=plan.mpi_op, root=root)
+    with yielding():
+        comm.Reduce([source, plan.datatype], [out, plan.datatype] if at_root else None, op=plan.mpi_op, root=root)
     if not at_root:
         np.copyto(out, source)
     return []
