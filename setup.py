@@ -9,7 +9,7 @@ run time in the library mpi4py loaded (see mpitensor/_collectives/native/__init_
 
 from setuptools import Extension, setup
 
-_SOURCES = ["module.c", "abi.c", "slots.c", "rows.c", "keys.c", "lane.c", "finish.c", "entry.c", "handle.c", "leaves.c"]
+_SOURCES = ["module.c", "abi.c", "rows.c", "keys.c", "lane.c", "finish.c", "entry.c", "handle.c", "leaves.c"]
 
 
 def _extensions() -> list[Extension]:
@@ -25,6 +25,14 @@ def _extensions() -> list[Extension]:
             extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"],
             optional=True,
         ),
+        # The records of the runtime's objects that the compiled lane reads (native/records.h).
+        Extension(
+            "mpitensor._core._records",
+            sources=["mpitensor/_core/native/records.c"],
+            depends=["mpitensor/_core/native/records.h"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
         Extension(
             "mpitensor._core.kernels._keys",
             sources=["mpitensor/_core/kernels/keys.c"],
@@ -37,8 +45,9 @@ def _extensions() -> list[Extension]:
             "mpitensor._collectives.native._lanes",
             sources=[f"mpitensor/_collectives/native/{name}" for name in _SOURCES],
             depends=["mpitensor/_collectives/native/native.h", "mpitensor/_runtime/tracing/native/ring_api.h",
-                     "mpitensor/_core/kernels/keys.h"],
-            include_dirs=[numpy.get_include(), "mpitensor/_runtime/tracing/native", "mpitensor/_core/kernels"],
+                     "mpitensor/_core/kernels/keys.h", "mpitensor/_core/native/records.h"],
+            include_dirs=[numpy.get_include(), "mpitensor/_runtime/tracing/native", "mpitensor/_core/kernels",
+                          "mpitensor/_core/native"],
             # Strict IEEE arithmetic: the reductions must give NumPy's bits, never fused or reordered.
             extra_compile_args=["-O2", "-fno-fast-math", "-ffp-contract=off"],
             libraries=["dl"],

@@ -22,7 +22,7 @@ esac
 stamp="$venv/.mpitensor-stamp"
 # What the install depends on: the metadata, and the build of the compiled parts (their sources).
 want="$mpi $extras $(cat "$root/setup.cfg" "$root/setup.py" "$root/pyproject.toml" "$root"/mpitensor/_collectives/native/*.[ch] \
-  "$root"/mpitensor/_core/kernels/*.c "$root"/mpitensor/_runtime/tracing/native/*.[ch] "$root"/mpitensor/jax/native/*.[ch] | sha1sum | cut -c1-12)"
+  "$root"/mpitensor/_core/kernels/*.c "$root"/mpitensor/_core/native/*.[ch] "$root"/mpitensor/_runtime/tracing/native/*.[ch] "$root"/mpitensor/jax/native/*.[ch] | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

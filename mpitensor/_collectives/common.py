@@ -17,6 +17,7 @@ from .._core.dtypes import transfer_dtype
 from .._core.errors import ContextClosedError, DeviceError
 from .._core.interop import take as take_foreign
 from .._core.protect import Protection, foreign, restorable
+from .._core.records import HandleRecord
 from .._core.state import open_contexts
 from .._core.tensor import Tensor, array_of
 from .._runtime.check import Record
@@ -26,12 +27,12 @@ from .._runtime.tracing.ring import RESOLVED
 from .._transport.reduction import finish_reduction, reduction_buffers, reduction_input
 
 __all__ = [
-    "HANDLE_FIELDS", "PLAIN_DTYPES", "CollectiveTensor", "Convert", "Input", "Later", "follow", "refuse_masked",
+    "PLAIN_DTYPES", "CollectiveTensor", "Convert", "Input", "Later", "follow", "refuse_masked", "settle_later",
     "take_input", "timeout_arg",
 ]
 
 
-class CollectiveTensor:
+class CollectiveTensor(HandleRecord):
     """The result of a collective that may still be in flight.
 
     Compute placed between the collective call and `resolve()` overlaps the
@@ -39,7 +40,7 @@ class CollectiveTensor:
     context keeps the buffers until MPI is done).
     """
 
-    __slots__ = ("_ctx", "_op", "_resolved", "_value")
+    __slots__ = ()  # _op, _value, _ctx and _resolved: the record's (see _core/records.py)
 
     # Whether `resolve()` is this class's (or does what it does with a `Later` value), so that
     # `follow` may hang a converter on the handle itself; False for handles that wrap others.
@@ -151,11 +152,6 @@ class CollectiveTensor:
         return f"CollectiveTensor({self._op.describe()}, {self._op.state_name})"
 
 
-# A handle's slots (op, value, context, resolved), for the compiled lane, which builds the
-# handles of the calls it starts and resolves them.
-HANDLE_FIELDS = (CollectiveTensor._op, CollectiveTensor._value, CollectiveTensor._ctx, CollectiveTensor._resolved)
-
-
 def timeout_arg(timeout: float | None, ctx: DistributedContext) -> float | None:
     """The timeout to wait with: `timeout`, else the context's.
 
@@ -186,6 +182,11 @@ class Later:
     def settle(self, result: Any) -> Any:
         """What `resolve()` returns, given the op's result."""
         return result
+
+
+def settle_later(later: Later, result: Any) -> Any:
+    """``later.settle(result)``, for compiled code, which calls no method by name (`native`'s resolve)."""
+    return later.settle(result)
 
 
 class Convert(Later):

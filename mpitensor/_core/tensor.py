@@ -20,9 +20,9 @@ from .device import Device
 from .errors import DeviceError, TensorInFlightError
 from .interop import numpy_dtype, to_array
 from .mpi import world_rank
+from .records import TensorRecord
 
 __all__ = [
-    "TENSOR_FIELDS",
     "Tensor",
     "arange",
     "array_of",
@@ -130,7 +130,7 @@ def _wrap(result: Any, device: Device) -> Any:
     return result
 
 
-class Tensor:
+class Tensor(TensorRecord):
     """A tensor on one device of this rank: NumPy-backed on CPU, CuPy-backed on CUDA.
 
     Build tensors with the factories (`tensor`, `zeros`, `from_numpy`, ...) rather than
@@ -144,7 +144,7 @@ class Tensor:
         TypeError: `array` is not a NumPy or CuPy ndarray.
     """
 
-    __slots__ = ("__weakref__", "_array", "_device")
+    __slots__ = ("__weakref__",)  # _array and _device: the record's (see records.py)
 
     __array_priority__ = 1000
 
@@ -355,10 +355,7 @@ def _check_writable(tensor: Tensor) -> None:
         )
 
 
-_new_tensor = object.__new__
-# A tensor's slots (array, device), for the compiled lane, which builds result tensors as
-# `wrap_array` does and reads the array of a tensor given to it.
-TENSOR_FIELDS = (Tensor._array, Tensor._device)
+_new_tensor = TensorRecord.__new__
 
 
 def wrap_array(array: Any, device: Device) -> Tensor:

@@ -33,6 +33,7 @@ from .._core.errors import (
 )
 from .._core.mpi import MPI
 from .._core.pool import HostPool
+from .._core.records import ContextRecord
 from . import failfast as _failfast
 from .check import CLOSE_KIND, Record
 from .diagnosis import Diagnosis
@@ -99,7 +100,7 @@ def _shared_class(name: str, module: str) -> type[Exception]:
     return RuntimeError
 
 
-class DistributedContext:
+class DistributedContext(ContextRecord):
     """The ranks and devices taking part in collectives, and everything they share.
 
     Create it with `DistributedContext.init` (every participating rank calls it with the

@@ -29,6 +29,7 @@ import numpy as np
 
 from .._core.errors import CollectiveTimeoutError, ContextBrokenError, ThreadMisuseError
 from .._core.mpi import MPI
+from .._core.records import EngineRecord, GroupRecord, OpRecord
 from .._transport.base import Stepper
 from .._transport.inline import CARRIED, HEADER_BYTES, INLINE_RANKS, PAYLOAD_BYTES, ROW_BYTES
 from .check import (
@@ -100,7 +101,7 @@ def _unpack_details(data: np.ndarray, sizes: list[int]) -> list[dict[str, Any]]:
     return details
 
 
-class Group:
+class Group(GroupRecord):
     """One group of ranks of a context, with its communicators and its queue of ops.
 
     Args:
@@ -112,10 +113,8 @@ class Group:
             interleave with the checks of later calls).
     """
 
-    __slots__ = (
-        "check_comm", "check_seq", "comm", "detail_comm", "extra", "gathers", "holder", "members", "queue", "rank",
-        "size",
-    )
+    # queue, holder and check_seq: the record's (see _core/records.py).
+    __slots__ = ("check_comm", "comm", "detail_comm", "extra", "gathers", "members", "rank", "size")
 
     def __init__(self, members: tuple[int, ...], comm: Any, check_comm: Any, detail_comm: Any = None) -> None:
         self.members = members
@@ -150,7 +149,7 @@ class Group:
                 comm.Free()
 
 
-class Op:
+class Op(OpRecord):
     """One collective: its buffers, requests and result.
 
     Args:
@@ -177,32 +176,7 @@ class Op:
             `post` then starts MPI's all-reduce, as that member does).
     """
 
-    __slots__ = (
-        "check_recv",
-        "check_req",
-        "check_send",
-        "check_sizes",
-        "check_stage",
-        "compare",
-        "error",
-        "exchange",
-        "finish",
-        "gathered",
-        "group",
-        "keep",
-        "name",
-        "nbytes",
-        "payload",
-        "post",
-        "protections",
-        "record",
-        "requests",
-        "result",
-        "seq",
-        "state",
-        "stepper",
-        "trace",
-    )
+    __slots__ = ()  # the fields are the record's (see _core/records.py)
 
     def __init__(
         self,
@@ -292,7 +266,7 @@ class Waker(Protocol):
         """Start polling (for an operation of `nbytes` bytes)."""
 
 
-class Engine:
+class Engine(EngineRecord):
     """Runs the ops of one context.
 
     Args:
@@ -305,6 +279,12 @@ class Engine:
         # Whether this thread holds the lock: only a signal handler (or a finalizer) that
         # interrupted the engine's own bookkeeping can call back in while it does.
         self._owned = self.lock._is_owned
+        # What compiled code calls of the engine (see _core/records.py): its lock's methods, and
+        # its own functions for a check that did not agree at once, an MPI error, a lost check.
+        self.lock_acquire, self.lock_release, self.lock_owned = self.lock.acquire, self.lock.release, self._owned
+        self.await_check = self.await_queued_check
+        self.mpi_failed_hook = self.mpi_failed
+        self.mark_broken_hook = ctx.mark_broken
         self.posted: list[Op] = []  # ops whose data is in flight
         self.waiting_groups: set[Group] = set()  # groups with a non-empty queue
         self.stepping = 0  # posted ops driven by steps rather than by MPI alone

@@ -54,7 +54,8 @@ from ..._core.interop import take_quickly
 from ..._core.limits import GATHERED_CHECK_RANKS
 from ..._core.mpi import MPI, pointer_handles
 from ..._core.mpi import module as mpi_module
-from ..._core.tensor import TENSOR_FIELDS, Tensor
+from ..._core.records import compiled as _records_compiled
+from ..._core.tensor import Tensor
 from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, SPIN_PAUSES, STATES, Op
 from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried, reduce_carried_keys
 from ..._transport.mpi import (
@@ -67,7 +68,7 @@ from ..._transport.mpi import (
     held_reduce,
     in_place,
 )
-from ..common import HANDLE_FIELDS, CollectiveTensor, Convert, Later
+from ..common import CollectiveTensor, Convert, Later, settle_later
 
 try:
     from . import _lanes
@@ -105,7 +106,7 @@ class LaneTensor(CollectiveTensor):
     A `CollectiveTensor` in every way; its `resolve()` is compiled (installed when the
     module is bound) for the plain wait of a posted op, and is the general one otherwise.
     The compiled lane makes its handles without `__init__`; one made in Python is checked
-    here, because the compiled resolve reads its op at `Op`'s slots.
+    here, because the compiled resolve reads its op's record (`Op` derives from `OpRecord`).
     """
 
     __slots__ = ()
@@ -162,6 +163,9 @@ def _bind() -> bool:
     if compiled_parts_off():
         _binding.why = "switched off (MPITENSOR_NATIVE=0)"
         return False
+    if not _records_compiled:
+        _binding.why = "the records of the runtime's objects (mpitensor._core._records) were not built"
+        return False
     handles = pointer_handles()
     if handles is None:
         _binding.why = "MPI's handles are neither pointers nor ints"
@@ -169,9 +173,9 @@ def _bind() -> bool:
     try:
         _lanes.bind(
             mpi=mpi_module(), pointer_handles=handles, op_class=Op, tensor_class=Tensor,
-            tensor_fields=TENSOR_FIELDS,
-            handle_class=LaneTensor, handle_fields=HANDLE_FIELDS, open_contexts=state.open_contexts,
-            states=STATES, later=Later, base_resolve=CollectiveTensor.resolve, agree_stage=AGREE_STAGE,
+            handle_class=LaneTensor, open_contexts=state.open_contexts,
+            states=STATES, later=Later, settle=settle_later, base_resolve=CollectiveTensor.resolve,
+            agree_stage=AGREE_STAGE,
             header_bytes=HEADER_BYTES, payload_bytes=PAYLOAD_BYTES, row_bytes=ROW_BYTES,
             reap_after=REAP_AFTER, gathered_ranks=GATHERED_CHECK_RANKS,
             spin_pauses=SPIN_PAUSES, take_quickly=take_quickly, small_bytes=SMALL_BYTES,
@@ -180,6 +184,7 @@ def _bind() -> bool:
     except (RuntimeError, TypeError) as exc:
         _binding.why = f"cannot bind to this MPI: {exc}"
         return False
+    LaneTensor.resolve = _lanes.resolve_for(LaneTensor)  # the compiled wait of a posted op
     _binding.why = ""
     return True
 
@@ -299,7 +304,7 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
         per_rank=CARRIED if checked else 0 if record is None else record.per_rank, rows=rows,
         spins=lane.ctx.engine.check_spins(),
         queued_post=(_carried_post(keys) if checked else in_place, group.comm, plan), done_op=done, trace=trace,
-        keys=keys, into=False, collective=_lanes.ALL_REDUCE, root=-1,
+        keys=keys, into=False, collective=_lanes.ALL_REDUCE, root=-1, **_communicators(lane.ctx, group),
     )
 
 
@@ -333,7 +338,7 @@ def compiled_held_lane(ctx: Any, group: Any, op: Any, array: np.ndarray, plan: A
         datatype=plan.datatype, mpi_op=plan.mpi_op, divide=plan.divide, record=record, value=record.check_value(),
         per_rank=record.per_rank, rows=0, spins=ctx.engine.check_spins(),
         queued_post=(held_all_reduce, group.comm, plan), done_op=done, trace=None, keys=0, into=into,
-        collective=_lanes.ALL_REDUCE, root=-1,
+        collective=_lanes.ALL_REDUCE, root=-1, **_communicators(ctx, group),
     )
 
 
@@ -368,6 +373,7 @@ def compiled_held_data_lane(ctx: Any, group: Any, kind: str, array: np.ndarray, 
         divide=False, record=record, value=record.check_value(), per_rank=record.per_rank, rows=0,
         spins=ctx.engine.check_spins(), queued_post=(post, group.comm, (root, plan) if plan is not None else root),
         done_op=done, trace=None, keys=0, into=True, collective=getattr(_lanes, collective), root=root,
+        **_communicators(ctx, group),
     )
 
 
@@ -379,6 +385,11 @@ _HELD_DATA = {
     "gather": ("GATHER", held_gather),
     "reduce": ("REDUCE", held_reduce),
 }
+
+
+def _communicators(ctx: Any, group: Any) -> dict[str, Any]:
+    """What a lane takes of its group and context beside their records: the communicators, the result's device."""
+    return {"comm": group.comm, "check_comm": group.check_comm, "device": ctx.cpu_device}
 
 
 def _keys(plan: Any, dtype: np.dtype, checked: bool) -> int | None:

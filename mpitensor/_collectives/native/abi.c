@@ -33,6 +33,8 @@ typedef int (*reduce_ptr)(const void *, void *, int, void *, void *, int, void *
 typedef int (*reduce_int)(const void *, void *, int, int, int, int, int);
 typedef int (*comm_rank_ptr)(void *, int *);
 typedef int (*comm_rank_int)(int, int *);
+typedef int (*comm_size_ptr)(void *, int *);
+typedef int (*comm_size_int)(int, int *);
 typedef int (*test_fn)(void *, int *, void *);
 typedef int (*wait_fn)(void *, void *);
 typedef PyObject *(*request_new_ptr)(void *);
@@ -41,7 +43,7 @@ typedef void *(*handle_get)(PyObject *);
 
 static struct {
     int pointer_handles;
-    void *iallreduce, *iallgather, *allreduce, *allgather, *bcast, *alltoall, *gather, *reduce, *comm_rank;
+    void *iallreduce, *iallgather, *allreduce, *allgather, *bcast, *alltoall, *gather, *reduce, *comm_rank, *comm_size;
     test_fn test;
     wait_fn wait;
     void *request_new;
@@ -66,8 +68,9 @@ static int find_in(void *library, const char *why_prefix, char *why, size_t why_
     mpi.gather = dlsym(library, "MPI_Gather");
     mpi.reduce = dlsym(library, "MPI_Reduce");
     mpi.comm_rank = dlsym(library, "MPI_Comm_rank");
+    mpi.comm_size = dlsym(library, "MPI_Comm_size");
     if (mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait && mpi.allreduce && mpi.allgather && mpi.bcast &&
-        mpi.alltoall && mpi.gather && mpi.reduce && mpi.comm_rank)
+        mpi.alltoall && mpi.gather && mpi.reduce && mpi.comm_rank && mpi.comm_size)
         return 1;
     snprintf(why, why_size, "%s", why_prefix);
     return 0;
@@ -252,6 +255,11 @@ int mpi_comm_rank(mpi_handle comm, int *rank) {
     return ((comm_rank_int)mpi.comm_rank)((int)comm, rank);
 }
 
+int mpi_comm_size(mpi_handle comm, int *size) {
+    if (mpi.pointer_handles) return ((comm_size_ptr)mpi.comm_size)((void *)comm, size);
+    return ((comm_size_int)mpi.comm_size)((int)comm, size);
+}
+
 int mpi_test(void *request, int *flag) {
     any_status status;
     return mpi.test(request, flag, &status);
@@ -265,7 +273,7 @@ int mpi_wait(void *request) {
 void mpi_failed(PyObject *engine, int code, PyObject *op, PyObject *name) {
     PyObject *mpi_error = PyObject_CallFunction(mpi.exception, "i", code);
     if (mpi_error == NULL) return;
-    PyObject *error = PyObject_CallMethod(engine, "mpi_failed", "OOO", mpi_error, op, name);
+    PyObject *error = PyObject_CallFunctionObjArgs(ENGINE(engine)->mpi_failed, mpi_error, op, name, NULL);
     Py_DECREF(mpi_error);
     if (error == NULL) return;
     PyErr_SetObject((PyObject *)Py_TYPE(error), error);

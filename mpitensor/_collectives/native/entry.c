@@ -109,9 +109,8 @@ static PyObject *on_lane_of_array(PyObject *ctx, PyObject *input, PyObject *op) 
                          : NULL;
     PyObject *handle = lane == NULL ? Py_NewRef(Py_None) : lane_start(lane, Py_None, array);
     if (handle != NULL && handle != Py_None) {
-        PyObject *convert = PyObject_CallFunctionObjArgs(consts.convert_type, SLOT(handle, layout.handle_value), back,
-                                                         NULL);
-        if (slot_steal(handle, layout.handle_value, convert) < 0) Py_CLEAR(handle);
+        PyObject *convert = PyObject_CallFunctionObjArgs(consts.convert_type, HANDLE(handle)->value, back, NULL);
+        if (field_steal(&HANDLE(handle)->value, convert) < 0) Py_CLEAR(handle);
     }
     Py_DECREF(taken);
     return handle;
@@ -125,9 +124,9 @@ static PyObject *on_lane(PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
     Py_ssize_t open = PyList_GET_SIZE(consts.open_contexts);
     if (open == 0) Py_RETURN_NONE;
     PyObject *ctx = PyList_GET_ITEM(consts.open_contexts, open - 1), *tensor = Py_None, *array = input;
-    if (Py_IS_TYPE(input, layout.tensor_type)) {
+    if (Py_IS_TYPE(input, types.tensor_type)) {
         tensor = input;
-        array = SLOT(input, layout.tensor_array);
+        array = TENSOR(input)->array;
     } else if (!PyArray_CheckExact(input)) {
         /* Lists, tuples and dicts are fused all-reduces; anything else may have an array. */
         if (PyList_Check(input) || PyTuple_Check(input) || PyDict_Check(input)) Py_RETURN_NONE;

@@ -47,54 +47,52 @@ static PyObject *general(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 static long state_of(PyObject *op) {
-    PyObject *state = SLOT(op, layout.op_state);
+    PyObject *state = OP(op)->state;
     return state != NULL && PyLong_CheckExact(state) ? PyLong_AsLong(state) : -1;
 }
 
-/* 1 if `attribute` of `object` is a container with something in it or a nonzero int; -1 on error. */
-static int nonempty(PyObject *object, PyObject *attribute) {
-    PyObject *value = PyObject_GetAttr(object, attribute);
-    if (value == NULL) return -1;
-    int truth = PyObject_IsTrue(value);
-    Py_DECREF(value);
-    return truth;
+/* 1 if `value` (a record's field) is a container with something in it, a nonzero int or True; -1 on error. */
+static int nonempty(PyObject *value) {
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a record's field is not set");
+        return -1;
+    }
+    return PyObject_IsTrue(value);
 }
 
 /* Take `op` out of the engine's posted ops; 0 also where it is not there (a Python wait that
  * was interrupted after taking it out), -1 on error. */
 static int remove_posted(PyObject *engine, PyObject *op) {
-    PyObject *posted = PyObject_GetAttr(engine, names.posted);
-    if (posted == NULL) return -1;
+    PyObject *posted = ENGINE(engine)->posted;
     int found = 0;
-    if (PyList_Check(posted))
+    if (posted != NULL && PyList_Check(posted))
         for (Py_ssize_t i = PyList_GET_SIZE(posted) - 1; i >= 0; i--)
             if (PyList_GET_ITEM(posted, i) == op) {
                 found = PyList_SetSlice(posted, i, i + 1, NULL);
                 break;
             }
-    Py_DECREF(posted);
     return found;
 }
 
 /* What `Engine._complete` does for an op without protections or stepper: 0, or -1 with the op failed. */
 static int complete(PyObject *op) {
-    if (slot_steal(op, layout.op_requests, PyList_New(0)) < 0) return -1;
-    slot_set(op, layout.op_keep, consts.empty_tuple);
-    PyObject *finish = SLOT(op, layout.op_finish);
+    if (field_steal(&OP(op)->requests, PyList_New(0)) < 0) return -1;
+    field_set(&OP(op)->keep, consts.empty_tuple);
+    PyObject *finish = OP(op)->finish;
     if (finish != NULL && finish != Py_None) {
         PyObject *result = PyObject_CallNoArgs(finish);
         if (result == NULL) {
             PyObject *type, *value, *traceback;
             PyErr_Fetch(&type, &value, &traceback);
             PyErr_NormalizeException(&type, &value, &traceback);
-            slot_set(op, layout.op_error, value);
-            slot_set(op, layout.op_state, consts.states[FAILED]);
+            field_set(&OP(op)->error, value);
+            field_set(&OP(op)->state, consts.states[FAILED]);
             PyErr_Restore(type, value, traceback);
             return -1;
         }
-        slot_steal(op, layout.op_result, result);
+        field_steal(&OP(op)->result, result);
     }
-    slot_set(op, layout.op_state, consts.states[COMPLETE]);
+    field_set(&OP(op)->state, consts.states[COMPLETE]);
     trace_mark(op, RING_COMPLETE);
     return 0;
 }
@@ -120,18 +118,17 @@ static int wait_slice(void *slot, int *flag, int yield) {
 /* Whether nothing but this op's request is awaited: no group's queue waits to post, no op to
  * step (no peer then waits for this rank to post or step); 1 yes, 0 no, -1 error. */
 static int alone(PyObject *engine) {
-    int waiting = nonempty(engine, names.waiting_groups);
+    int waiting = nonempty(ENGINE(engine)->waiting_groups);
     if (waiting != 0) return waiting < 0 ? -1 : 0;
-    int stepping = nonempty(engine, names.stepping);
+    int stepping = nonempty(ENGINE(engine)->stepping);
     return stepping < 0 ? -1 : !stepping;
 }
 
 /* Wait for the op's one request under the engine's lock; 1 done, 0 left to the Python resolve,
  * -1 error. Between slices of the wait the lock is let go while signal handlers run; *locked
  * says whether it is held on return (not where a handler raised, or taking it back failed). */
-static int wait_posted(PyObject *op, PyObject *engine, PyObject *acquire, PyObject *release, int may_block,
-                       int spins, int *locked) {
-    PyObject *requests = SLOT(op, layout.op_requests), *protections = SLOT(op, layout.op_protections);
+static int wait_posted(PyObject *op, PyObject *engine, int may_block, int spins, int *locked) {
+    PyObject *requests = OP(op)->requests, *protections = OP(op)->protections;
     if (state_of(op) != POSTED || requests == NULL || !PyList_CheckExact(requests) ||
         PyList_GET_SIZE(requests) != 1 || protections != consts.empty_tuple)
         return 0;
@@ -157,20 +154,20 @@ static int wait_posted(PyObject *op, PyObject *engine, PyObject *acquire, PyObje
         /* Python's handlers of the signals that came run here, with the engine's lock let go
          * (the op is posted and tracked: the engine's state is whole), so that a handler may
          * use the context. One that raises ends the wait with its error. */
-        engine_unlock(release);
+        engine_unlock(engine);
         *locked = 0;
-        if (PyErr_CheckSignals() < 0 || engine_lock(acquire) < 0) {
+        if (PyErr_CheckSignals() < 0 || engine_lock(engine) < 0) {
             result = -1;
             break;
         }
         *locked = 1;
         /* Meanwhile a handler, the progress thread or another thread's resolve() may have
          * completed the op, or posted calls that need this rank's progress. */
-        if (state_of(op) != POSTED || SLOT(op, layout.op_requests) != requests) result = 0;
+        if (state_of(op) != POSTED || OP(op)->requests != requests) result = 0;
         else result = alone(engine);
     }
     if (result > 0 && code != 0) {
-        mpi_failed(engine, code, op, SLOT(op, layout.op_name));
+        mpi_failed(engine, code, op, OP(op)->name);
         result = -1;
     }
     if (result > 0 && (remove_posted(engine, op) < 0 || complete(op) < 0)) result = -1;
@@ -181,8 +178,8 @@ static int wait_posted(PyObject *op, PyObject *engine, PyObject *acquire, PyObje
 
 /* Whether this thread holds the engine's lock: only a signal handler (or a finalizer) that
  * interrupted the engine's bookkeeping calls in then; 1 yes, 0 no, -1 error. */
-int lock_held_here(PyObject *lock) {
-    PyObject *owned = PyObject_CallMethodNoArgs(lock, names._is_owned);
+int lock_held_here(PyObject *engine) {
+    PyObject *owned = PyObject_CallNoArgs(ENGINE(engine)->lock_owned);
     if (owned == NULL) return -1;
     int truth = PyObject_IsTrue(owned);
     Py_DECREF(owned);
@@ -192,9 +189,8 @@ int lock_held_here(PyObject *lock) {
 /* How many times to test before waiting: `SPINS`, or `OVERSUBSCRIBED_SPINS` where the engine
  * waits as on a node with more ranks than cores. */
 static int spins_for(PyObject *engine) {
-    PyObject *pauses = PyObject_GetAttr(engine, names.spin_pauses);
+    PyObject *pauses = ENGINE(engine)->spin_pauses;
     long value = pauses == NULL ? -1 : PyLong_AsLong(pauses);
-    Py_XDECREF(pauses);
     PyErr_Clear();
     return value >= 0 && value < consts.spin_pauses ? OVERSUBSCRIBED_SPINS : SPINS;
 }
@@ -202,57 +198,51 @@ static int spins_for(PyObject *engine) {
 /* The handle resolved: its value, settled first where it is a `Later` (the result given back
  * in another library's kind), as `CollectiveTensor.resolve` does. */
 static PyObject *resolved_value(PyObject *self, PyObject *op) {
-    PyObject *value = SLOT(self, layout.handle_value);
+    PyObject *value = HANDLE(self)->value;
     if (PyObject_TypeCheck(value, (PyTypeObject *)consts.later_type)) {
-        PyObject *settled = PyObject_CallMethodOneArg(value, consts.settle, SLOT(op, layout.op_result));
-        if (slot_steal(self, layout.handle_value, settled) < 0) return NULL;
+        PyObject *settled = PyObject_CallFunctionObjArgs(consts.settle, value, OP(op)->result, NULL);
+        if (field_steal(&HANDLE(self)->value, settled) < 0) return NULL;
         value = settled;
     }
-    slot_set(self, layout.handle_resolved, Py_True);
+    field_set(&HANDLE(self)->resolved, Py_True);
     trace_mark(op, RING_RESOLVED);
     return Py_NewRef(value);
 }
 
 static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    PyObject *op = SLOT(self, layout.handle_op), *value = SLOT(self, layout.handle_value);
-    PyObject *ctx = SLOT(self, layout.handle_ctx), *resolved = SLOT(self, layout.handle_resolved);
-    /* The op's slots are read at Op's offsets: anything else (a handle's op replaced by
-     * hand; LaneTensor() refuses one at construction) is refused before any is read. */
-    if (op != NULL && !PyObject_TypeCheck(op, layout.op_type)) {
+    PyObject *op = HANDLE(self)->op, *value = HANDLE(self)->value;
+    PyObject *ctx = HANDLE(self)->ctx, *resolved = HANDLE(self)->resolved;
+    /* The op's fields are read in its record: anything else (a handle's op replaced by hand;
+     * LaneTensor() refuses one at construction) is refused before any is read. */
+    if (op != NULL && !PyObject_TypeCheck(op, types.op_record)) {
         PyErr_Format(PyExc_TypeError, "a LaneTensor is the handle of an engine Op, got %.100s", Py_TYPE(op)->tp_name);
         return NULL;
     }
     /* resolve(None) is resolve(): the context's timeout (the Python resolve's own default). */
     int no_timeout = (nargs == 0 || (nargs == 1 && args[0] == Py_None)) && kwnames == NULL;
-    if (!no_timeout || op == NULL || value == NULL || ctx == NULL || resolved == NULL)
+    if (!no_timeout || op == NULL || value == NULL || ctx == NULL || resolved == NULL ||
+        !PyObject_TypeCheck(ctx, types.context_record) || CONTEXT(ctx)->engine == NULL ||
+        !PyObject_TypeCheck(CONTEXT(ctx)->engine, types.engine_record))
         return general(self, args, nargs, kwnames);
     long state = state_of(op);
-    int closed = nonempty(ctx, names.closed);
+    int closed = nonempty(CONTEXT(ctx)->closed);
     if (closed < 0) return NULL;
     if (state == COMPLETE && (resolved == Py_True || !closed)) return resolved_value(self, op);
     if (state != POSTED || closed) return general(self, args, nargs, kwnames);
-    /* Each step runs only where the one before it succeeded: no Python call is made with an
-     * error set (it would lose the error). */
-    PyObject *engine = PyObject_GetAttr(ctx, names.engine);
-    PyObject *timeout = engine == NULL ? NULL : PyObject_GetAttr(ctx, names.timeout);
-    int stepping = timeout == NULL ? -1 : nonempty(engine, names.stepping), done = -1;
+    /* Held for the call: Python code runs meanwhile (the lock's methods, signal handlers). */
+    PyObject *engine = Py_XNewRef(CONTEXT(ctx)->engine), *timeout = Py_XNewRef(CONTEXT(ctx)->timeout);
+    int stepping = engine == NULL || timeout == NULL ? -1 : nonempty(ENGINE(engine)->stepping), done = -1;
     if (stepping == 0) {
-        PyObject *lock = PyObject_GetAttr(engine, names.lock);
-        PyObject *acquire = lock == NULL ? NULL : PyObject_GetAttr(lock, names.acquire);
-        PyObject *release = acquire == NULL ? NULL : PyObject_GetAttr(lock, names.release);
         /* Held by this thread: a signal handler interrupted the engine, and the Python
          * resolve refuses it (Engine.reentered) without touching the engine. */
-        int held = release == NULL ? -1 : lock_held_here(lock);
+        int held = lock_held_here(engine);
         if (held > 0) {
             done = 0;
-        } else if (held == 0 && engine_lock(acquire) == 0) {
+        } else if (held == 0 && engine_lock(engine) == 0) {
             int spins = spins_for(engine), locked = 1;
-            done = wait_posted(op, engine, acquire, release, timeout == Py_None, spins, &locked);
-            if (locked) engine_unlock(release); /* keeps wait_posted's error, if it failed */
+            done = wait_posted(op, engine, timeout == Py_None, spins, &locked);
+            if (locked) engine_unlock(engine); /* keeps wait_posted's error, if it failed */
         }
-        Py_XDECREF(lock);
-        Py_XDECREF(acquire);
-        Py_XDECREF(release);
     } else if (stepping > 0) {
         done = 0;
     }
@@ -262,6 +252,8 @@ static PyObject *resolve(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (done == 0) return general(self, args, nargs, kwnames);
     return resolved_value(self, op);
 }
+
+PyObject *handle_resolve(PyObject *handle) { return resolve(handle, NULL, 0, NULL); }
 
 PyMethodDef handle_resolve_def = {
     "resolve", (PyCFunction)(void (*)(void))resolve, METH_FASTCALL | METH_KEYWORDS,

@@ -53,8 +53,7 @@ typedef struct {
     PyObject_HEAD
     int kind;
     PyObject *ctx, *engine, *group, *op_key, *device, *record, *done_op, *nbytes_obj;
-    PyObject *post_start, *post_comm, *post_plan, *partial; /* a queued op's post: partial(start, comm, out, [payload,] plan) */
-    PyObject *lock, *acquire, *release;
+    PyObject *post_start, *post_comm, *post_plan; /* a queued op's post: partial(start, comm, out, [payload,] plan) */
     PyArray_Descr *descr;
     int ndim;
     npy_intp dims[NPY_MAXDIMS];
@@ -75,63 +74,65 @@ typedef struct {
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
-int engine_lock(PyObject *acquire) {
-    PyObject *got = PyObject_CallNoArgs(acquire);
+int engine_lock(PyObject *engine) {
+    PyObject *got = PyObject_CallNoArgs(ENGINE(engine)->lock_acquire);
     if (got == NULL) return -1;
     Py_DECREF(got);
     return 0;
 }
 
-void engine_unlock(PyObject *release) {
+void engine_unlock(PyObject *engine) {
     Pending pending = pending_take(); /* the caller's error, if it is on an error path */
+    PyObject *release = ENGINE(engine)->lock_release;
     PyObject *got = PyObject_CallNoArgs(release);
     if (got == NULL) PyErr_WriteUnraisable(release);
     Py_XDECREF(got);
     pending_restore(pending);
 }
 
-/* A new object of a Python class with __slots__, its slots empty (filled by the caller). */
+/* A new object of a class derived from a record, its fields empty (filled by the caller). */
 static PyObject *alloc(PyTypeObject *type) { return type->tp_alloc(type, 0); }
 
 PyObject *make_tensor(PyObject *array, PyObject *device) {
-    PyObject *tensor = alloc(layout.tensor_type);
+    PyObject *tensor = alloc(types.tensor_type);
     if (tensor == NULL) return NULL;
-    slot_set(tensor, layout.tensor_array, array);
-    slot_set(tensor, layout.tensor_device, device);
+    field_set(&TENSOR(tensor)->array, array);
+    field_set(&TENSOR(tensor)->device, device);
     return tensor;
 }
 
 PyObject *make_handle(PyObject *op, PyObject *value, PyObject *ctx) {
-    PyObject *handle = alloc(layout.handle_type);
+    PyObject *handle = alloc(types.handle_type);
     if (handle == NULL) return NULL;
-    slot_set(handle, layout.handle_op, op);
-    slot_set(handle, layout.handle_value, value);
-    slot_set(handle, layout.handle_ctx, ctx);
-    slot_set(handle, layout.handle_resolved, Py_False);
+    field_set(&HANDLE(handle)->op, op);
+    field_set(&HANDLE(handle)->value, value);
+    field_set(&HANDLE(handle)->ctx, ctx);
+    field_set(&HANDLE(handle)->resolved, Py_False);
     return handle;
 }
 
 /* An op of this lane in `state`, with the fields every op has (as `Op.__init__` sets them). */
 static PyObject *make_op(Lane *lane, int state, PyObject *record, PyObject *finish) {
-    PyObject *op = alloc(layout.op_type);
+    PyObject *op = alloc(types.op_type);
     if (op == NULL) return NULL;
-    slot_set(op, layout.op_name, lane->name);
-    slot_set(op, layout.op_group, lane->group);
-    slot_set(op, layout.op_nbytes, lane->nbytes_obj);
-    slot_set(op, layout.op_post, Py_None);
-    slot_set(op, layout.op_finish, finish);
-    slot_set(op, layout.op_record, record);
-    slot_set(op, layout.op_keep, consts.empty_tuple);
-    slot_set(op, layout.op_protections, consts.empty_tuple);
-    slot_set(op, layout.op_exchange, Py_False);
-    slot_set(op, layout.op_compare, record == Py_None ? Py_False : Py_True);
-    slot_set(op, layout.op_payload, Py_None);
-    slot_set(op, layout.op_stepper, Py_None);
-    slot_set(op, layout.op_state, consts.states[state]);
-    slot_set(op, layout.op_result, Py_None);
-    slot_set(op, layout.op_error, Py_None);
-    slot_set(op, layout.op_trace, Py_None);
-    if (slot_steal(op, layout.op_requests, PyList_New(0)) < 0) {
+    OpRecord *o = OP(op);
+    field_set(&o->name, lane->name);
+    field_set(&o->group, lane->group);
+    field_set(&o->nbytes, lane->nbytes_obj);
+    field_set(&o->post, Py_None);
+    field_set(&o->finish, finish);
+    field_set(&o->record, record);
+    field_set(&o->keep, consts.empty_tuple);
+    field_set(&o->protections, consts.empty_tuple);
+    field_set(&o->exchange, Py_False);
+    field_set(&o->compare, record == Py_None ? Py_False : Py_True);
+    field_set(&o->payload, Py_None);
+    field_set(&o->stepper, Py_None);
+    field_set(&o->state, consts.states[state]);
+    field_set(&o->result, Py_None);
+    field_set(&o->error, Py_None);
+    field_set(&o->trace, Py_None);
+    if (field_steal(&o->requests, PyList_New(0)) < 0) {
         Py_DECREF(op);
         return NULL;
     }
@@ -148,30 +149,22 @@ static PyObject *finisher(Lane *lane, PyObject *result) {
 
 /* Whether the engine may take an op of this group now with nothing before it; -1 on error. */
 static int group_idle(Lane *lane, int check) {
-    PyObject *queue = PyObject_GetAttr(lane->group, names.queue);
-    if (queue == NULL) return -1;
-    Py_ssize_t queued = PyObject_Length(queue);
-    Py_DECREF(queue);
+    GroupRecord *group = GROUP(lane->group);
+    if (group->queue == NULL || group->holder == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a group's queue and holder are not set");
+        return -1;
+    }
+    Py_ssize_t queued = PyObject_Length(group->queue);
     if (queued < 0) return -1;
-    PyObject *holder = PyObject_GetAttr(lane->group, names.holder);
-    if (holder == NULL) return -1;
-    int idle = queued == 0 && holder == Py_None;
-    Py_DECREF(holder);
+    int idle = queued == 0 && group->holder == Py_None;
     if (!idle || !check) return idle;
-    PyObject *stepping = PyObject_GetAttr(lane->engine, names.stepping);
-    if (stepping == NULL) return -1;
-    idle = PyLong_Check(stepping) && PyLong_AsLong(stepping) == 0;
-    Py_DECREF(stepping);
-    return idle;
+    PyObject *stepping = ENGINE(lane->engine)->stepping;
+    return stepping != NULL && PyLong_Check(stepping) && PyLong_AsLong(stepping) == 0;
 }
 
 /* The context may run a collective from this thread (else the general path says why not). */
 static int usable_here(Lane *lane) {
-    PyObject *usable = PyObject_GetAttr(lane->ctx, names.usable);
-    if (usable == NULL) return -1;
-    int ok = usable == Py_True && PyThread_get_thread_ident() == lane->owner;
-    Py_DECREF(usable);
-    return ok;
+    return CONTEXT(lane->ctx)->usable == Py_True && PyThread_get_thread_ident() == lane->owner;
 }
 
 /* ---- the check ---------------------------------------------------------------------------- */
@@ -211,18 +204,17 @@ static void fill_row(Lane *lane, char *row, PyArrayObject *array) {
     memset(row + consts.header_bytes + carried, 0, (size_t)(consts.payload_bytes - carried));
 }
 
-/* Add one to the int attribute `name` of `object`; its old value in *old (if old is not NULL). */
-static int increment(PyObject *object, PyObject *name, PyObject **old) {
-    PyObject *value = PyObject_GetAttr(object, name);
-    if (value == NULL) return -1;
-    PyObject *next = PyNumber_Add(value, consts.one);
-    int failed = next == NULL || PyObject_SetAttr(object, name, next) < 0;
-    Py_XDECREF(next);
-    if (failed || old == NULL) {
-        Py_DECREF(value);
-        return failed ? -1 : 0;
+/* Add one to the int in a record's `field`; its old value in *old (a new reference; if old is not NULL). */
+static int increment(PyObject **field, PyObject **old) {
+    PyObject *value = *field;
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "a record's counter is not set");
+        return -1;
     }
-    *old = value;
+    PyObject *next = PyNumber_Add(value, consts.one);
+    if (next == NULL) return -1;
+    if (old != NULL) *old = Py_NewRef(value);
+    field_steal(field, next);
     return 0;
 }
 
@@ -277,8 +269,8 @@ PyObject *wait_at_call(PyObject *module, PyObject *flag) {
  * agreed yet (late, or rows that differ: the engine finds out which). -1: MPI failed to post
  * it (the context is broken; the error is set). Call with the engine's lock held. */
 static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, PyObject **seq) {
-    if (increment(lane->group, names.check_seq, seq) < 0) return -1;
-    if (increment(lane->engine, names.checks_posted, NULL) < 0) {
+    if (increment(&GROUP(lane->group)->check_seq, seq) < 0) return -1;
+    if (increment(&ENGINE(lane->engine)->checks_posted, NULL) < 0) {
         Py_CLEAR(*seq);
         return -1;
     }
@@ -304,8 +296,8 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
  * pumped later, by `Engine._wait_check`); the Python engine posts its data once the check
  * agrees, through the post made here (`reduce_carried` or `in_place` on `out`). Call with the
  * engine's lock held, right after the check's post, and with the collector off: nothing here
- * runs Python code (slot stores of fresh values, a bytes object, functools' C partial, a
- * deque's append and a set's add of an object hashed by identity, none of which can call out),
+ * runs Python code (field stores of fresh values, a bytes object, functools' C partial, a
+ * deque's += of a tuple and a set's add of an object hashed by identity, none of which can call out),
  * so no signal handler or finalizer can run between the check and its op. 0, or -1 with an
  * error set. */
 static int queue_op(Lane *lane, PyObject *op, PyObject *seq, PyObject *send, PyObject *recv, PyObject *request,
@@ -323,34 +315,34 @@ static int queue_op(Lane *lane, PyObject *op, PyObject *seq, PyObject *send, PyO
     } else if (lane->kind != LANE_CHECK) {
         args[3] = lane->post_plan;
     }
-    PyObject *post = PyObject_Vectorcall(lane->partial, args, lane->kind == LANE_COPY ? 4 : 5, NULL);
+    PyObject *post = PyObject_Vectorcall(consts.partial, args, lane->kind == LANE_COPY ? 4 : 5, NULL);
     PyObject *stage = post == NULL ? NULL : PyLong_FromLong(consts.agree_stage);
-    PyObject *requests = SLOT(op, layout.op_requests);
-    int failed = stage == NULL || PyList_SetSlice(requests, 0, PyList_GET_SIZE(requests), NULL) < 0;
+    OpRecord *o = OP(op);
+    int failed = stage == NULL || PyList_SetSlice(o->requests, 0, PyList_GET_SIZE(o->requests), NULL) < 0;
     if (!failed) {
-        slot_set(op, layout.op_state, consts.states[CHECKING]);
-        slot_set(op, layout.op_payload, payload);
-        slot_set(op, layout.op_seq, seq);
-        slot_set(op, layout.op_check_send, send);
-        slot_set(op, layout.op_check_recv, recv);
-        slot_set(op, layout.op_check_req, request);
-        slot_steal(op, layout.op_post, post);
-        slot_steal(op, layout.op_check_stage, stage);
+        field_set(&o->state, consts.states[CHECKING]);
+        field_set(&o->payload, payload);
+        field_set(&o->seq, seq);
+        field_set(&o->check_send, send);
+        field_set(&o->check_recv, recv);
+        field_set(&o->check_req, request);
+        field_steal(&o->post, post);
+        field_steal(&o->check_stage, stage);
         post = stage = NULL;
     }
     if (payload != Py_None) Py_DECREF(payload);
     Py_XDECREF(post);
     Py_XDECREF(stage);
     if (failed) return -1;
-    PyObject *queue = PyObject_GetAttr(lane->group, names.queue);
-    PyObject *appended = queue == NULL ? NULL : PyObject_CallMethodOneArg(queue, names.append, op);
-    PyObject *waiting = appended == NULL ? NULL : PyObject_GetAttr(lane->engine, names.waiting_groups);
-    int added = waiting == NULL || !PySet_Check(waiting) ? -1 : PySet_Add(waiting, lane->group);
-    if (waiting != NULL && added < 0 && !PyErr_Occurred())
+    /* The deque's += (its sequence protocol) appends the op: no method looked up by name. */
+    PyObject *one = PyTuple_Pack(1, op);
+    PyObject *appended = one == NULL ? NULL : PySequence_InPlaceConcat(GROUP(lane->group)->queue, one);
+    PyObject *waiting = ENGINE(lane->engine)->waiting_groups;
+    int added = appended == NULL || waiting == NULL || !PySet_Check(waiting) ? -1 : PySet_Add(waiting, lane->group);
+    if (appended != NULL && added < 0 && !PyErr_Occurred())
         PyErr_SetString(PyExc_TypeError, "the engine's waiting groups are not a set");
-    Py_XDECREF(queue);
+    Py_XDECREF(one);
     Py_XDECREF(appended);
-    Py_XDECREF(waiting);
     return added;
 }
 
@@ -361,7 +353,7 @@ static void lost_check(Lane *lane) {
     PyObject *why = PyUnicode_FromString(
         "the compiled lane posted an all_reduce's check and could not queue its op (out of memory): this "
         "rank's checks no longer pair with its peers'");
-    PyObject *done = why == NULL ? NULL : PyObject_CallMethodOneArg(lane->ctx, names.mark_broken, why);
+    PyObject *done = why == NULL ? NULL : PyObject_CallOneArg(ENGINE(lane->engine)->mark_broken, why);
     if (done == NULL) PyErr_WriteUnraisable(lane->ctx);
     Py_XDECREF(done);
     Py_XDECREF(why);
@@ -387,7 +379,7 @@ static int trace_begin(Lane *lane, Call *call, int64_t called) {
     if (lane->ring == NULL) return 0;
     PyObject *span = ring_api->begin(lane->ring, lane->trace_kind, lane->trace_group, lane->nbytes, lane->type_num,
                                      called);
-    return slot_steal(call->op, layout.op_trace, span);
+    return field_steal(&OP(call->op)->trace, span);
 }
 
 /* Record that the call's data was posted now by MPI, or (`carried`) came in its check, which agreed now. */
@@ -400,7 +392,7 @@ static void trace_posted(Lane *lane, Call *call, int64_t called, int carried) {
             PyErr_Clear(); /* memory ran out: the call went through, only its record is lost */
         return;
     }
-    ring_api->posted(SLOT(call->op, layout.op_trace), RING_MPI);
+    ring_api->posted(OP(call->op)->trace, RING_MPI);
 }
 
 static void call_clear(Call *call) {
@@ -454,11 +446,11 @@ static int call_prepare(Lane *lane, Call *call, PyObject *device, PyArrayObject 
     if (lane->kind == LANE_COPY) {
         PyObject *keep = PyTuple_Pack(1, call->out); /* MPI writes the copy until the op completes */
         if (keep != NULL) call->request = mpi_new_request();
-        if (call->request == NULL || PyList_Append(SLOT(call->op, layout.op_requests), call->request) < 0) {
+        if (call->request == NULL || PyList_Append(OP(call->op)->requests, call->request) < 0) {
             Py_XDECREF(keep);
             return -1;
         }
-        slot_steal(call->op, layout.op_keep, keep);
+        field_steal(&OP(call->op)->keep, keep);
     }
     if (lane->record != Py_None) {
         if (take_buffers(lane, &call->send, &call->recv, &call->check_request) < 0) return -1;
@@ -478,8 +470,8 @@ static int post_data(Lane *lane, Call *call, PyObject *posted) {
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         PyErr_NormalizeException(&type, &value, &traceback);
-        slot_set(call->op, layout.op_error, value);
-        slot_set(call->op, layout.op_state, consts.states[FAILED]);
+        field_set(&OP(call->op)->error, value);
+        field_set(&OP(call->op)->state, consts.states[FAILED]);
         Py_XDECREF(type);
         Py_XDECREF(value);
         Py_XDECREF(traceback);
@@ -533,15 +525,15 @@ static int held_reduce(Lane *lane, Call *call) {
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         PyErr_NormalizeException(&type, &value, &traceback);
-        slot_set(call->op, layout.op_error, value);
-        slot_set(call->op, layout.op_state, consts.states[FAILED]);
+        field_set(&OP(call->op)->error, value);
+        field_set(&OP(call->op)->state, consts.states[FAILED]);
         Py_XDECREF(type);
         Py_XDECREF(value);
         Py_XDECREF(traceback);
         return 0;
     }
     if (lane->divide) divide_in_place(lane->type_num, out, lane->count, lane->size);
-    slot_set(call->handle, layout.handle_op, lane->done_op); /* nothing is left to do */
+    field_set(&HANDLE(call->handle)->op, lane->done_op); /* nothing is left to do */
     return 1;
 }
 
@@ -551,13 +543,13 @@ static PyObject *call_run(Lane *lane, Call *call) {
     int checked = lane->record != Py_None, agreed = 1, queued = 0;
     /* Held by this thread: a signal handler interrupted the engine; declined, and the Python
      * path refuses the call (Engine.reentered) before anything is posted. */
-    int held = lock_held_here(lane->lock);
+    int held = lock_held_here(lane->engine);
     if (held != 0) {
         if (held < 0) return NULL;
         Py_RETURN_NONE;
     }
-    if (engine_lock(lane->acquire) < 0) return NULL;
-    posted = PyObject_GetAttr(lane->engine, names.posted);
+    if (engine_lock(lane->engine) < 0) return NULL;
+    posted = Py_XNewRef(ENGINE(lane->engine)->posted);
     int idle = posted == NULL ? -1 : group_idle(lane, checked);
     /* Beyond `reap_after` ops in flight the Python path reaps the oldest (and holds back). */
     if (idle > 0 && (!PyList_Check(posted) || PyList_GET_SIZE(posted) >= consts.reap_after)) idle = 0;
@@ -571,7 +563,7 @@ static PyObject *call_run(Lane *lane, Call *call) {
         int collecting = PyGC_Disable();
         agreed = check_at_once(lane, PyByteArray_AS_STRING(call->send), PyByteArray_AS_STRING(call->recv),
                                mpi_request_slot(call->check_request), &seq);
-        if (agreed >= 0) slot_set(call->op, layout.op_seq, seq);
+        if (agreed >= 0) field_set(&OP(call->op)->seq, seq);
         if (agreed > 0 && lane->kind == LANE_COPY) trace_mark(call->op, RING_AGREED);
         if (agreed == 0 && lane->kind == LANE_CHECK && trace_begin(lane, call, called) < 0)
             PyErr_Clear(); /* memory ran out: the call goes on, unrecorded (its check is posted) */
@@ -594,14 +586,14 @@ static PyObject *call_run(Lane *lane, Call *call) {
                     lane->size, consts.row_bytes, consts.header_bytes, lane->count);
         if (lane->divide)
             divide_in_place(lane->type_num, PyArray_DATA((PyArrayObject *)call->out), lane->count, lane->size);
-        slot_set(call->handle, layout.handle_op, lane->done_op); /* nothing is left to do */
+        field_set(&HANDLE(call->handle)->op, lane->done_op); /* nothing is left to do */
     }
-    engine_unlock(lane->release);
+    engine_unlock(lane->engine);
     Py_XDECREF(posted);
     Py_XDECREF(seq);
     if (queued > 0) {
         /* Queued: the op is the engine's now, and the call waits for its check as any other. */
-        PyObject *awaited = PyObject_CallMethodObjArgs(lane->engine, consts.await_queued_check, call->op, Py_True, NULL);
+        PyObject *awaited = PyObject_CallFunctionObjArgs(ENGINE(lane->engine)->await_check, call->op, Py_True, NULL);
         Py_XDECREF(awaited);
         done = awaited == NULL ? -1 : 1;
     }
@@ -632,7 +624,7 @@ PyObject *lane_start(PyObject *self, PyObject *tensor, PyObject *array) {
         if (ok < 0) return NULL;
         Py_RETURN_NONE;
     }
-    PyObject *device = tensor == Py_None ? lane->device : SLOT(tensor, layout.tensor_device);
+    PyObject *device = tensor == Py_None ? lane->device : TENSOR(tensor)->device;
     if (device == NULL) Py_RETURN_NONE;
     lane_cache_insert(self);
     return start(lane, device, (PyArrayObject *)array, NULL);
@@ -673,7 +665,7 @@ static PyObject *Lane_start(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (lane->kind == LANE_HELD || !PyArray_CheckExact(array) || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)array) ||
         PyArray_NBYTES((PyArrayObject *)array) != lane->nbytes ||
         PyArray_ITEMSIZE((PyArrayObject *)array) != PyDataType_ELSIZE(lane->descr) ||
-        (tensor != Py_None && !Py_IS_TYPE(tensor, layout.tensor_type))) {
+        (tensor != Py_None && !Py_IS_TYPE(tensor, types.tensor_type))) {
         PyErr_SetString(PyExc_TypeError, "a lane starts calls of its own kind only");
         return NULL;
     }
@@ -682,19 +674,15 @@ static PyObject *Lane_start(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static const char *lane_keywords[] = {
     "kind", "ctx", "group", "op_key", "template", "datatype", "mpi_op", "divide", "record", "value", "per_rank",
-    "rows", "spins", "queued_post", "done_op", "trace", "keys", "into", "collective", "root", NULL};
+    "rows", "spins", "queued_post", "done_op", "trace", "keys", "into", "collective", "root", "comm", "check_comm",
+    "device", NULL};
 
-/* Where `queued_post` is (start, comm, plan) and functools' partial can be had; 0, or -1 with an error set. */
+/* Where `queued_post` is (start, comm, plan); 0, or -1 with an error set. */
 static int take_post(Lane *lane, PyObject *queued_post) {
     if (!PyTuple_CheckExact(queued_post) || PyTuple_GET_SIZE(queued_post) != 3) {
         PyErr_SetString(PyExc_TypeError, "queued_post is (start, comm, plan)");
         return -1;
     }
-    PyObject *functools = PyImport_ImportModule("functools");
-    PyObject *partial = functools == NULL ? NULL : PyObject_GetAttrString(functools, "partial");
-    Py_XDECREF(functools);
-    if (partial == NULL) return -1;
-    lane->partial = partial;
     lane->post_start = Py_NewRef(PyTuple_GET_ITEM(queued_post, 0));
     lane->post_comm = Py_NewRef(PyTuple_GET_ITEM(queued_post, 1));
     lane->post_plan = Py_NewRef(PyTuple_GET_ITEM(queued_post, 2));
@@ -733,12 +721,13 @@ static int lane_name(Lane *lane) {
 static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     Lane *lane = (Lane *)self;
     PyObject *ctx, *group, *op_key, *template, *datatype, *mpi_op, *record, *queued_post, *done_op, *trace = Py_None;
+    PyObject *comm, *check_comm, *device;
     int divide;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOOipii", (char **)lane_keywords, &lane->kind,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOOipiiOOO", (char **)lane_keywords, &lane->kind,
                                      &ctx, &group, &op_key, &PyArray_Type, &template, &datatype, &mpi_op,
                                      &divide, &record, &lane->value, &lane->per_rank, &lane->rows_kind,
                                      &lane->spins, &queued_post, &done_op, &trace, &lane->keys, &lane->into,
-                                     &lane->collective, &lane->root))
+                                     &lane->collective, &lane->root, &comm, &check_comm, &device))
         return -1;
     if (lane->ctx != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a lane is made once");
@@ -781,27 +770,26 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "MEAN's division is compiled for float32 and float64 only");
         return -1;
     }
-    /* Each look-up only where the ones before it succeeded: none runs with an error set. */
-    PyObject *engine = PyObject_GetAttr(ctx, names.engine);
-    PyObject *lock = engine == NULL ? NULL : PyObject_GetAttr(engine, names.lock);
-    PyObject *comm = lock == NULL ? NULL : PyObject_GetAttrString(group, "comm");
-    PyObject *check_comm = comm == NULL ? NULL : PyObject_GetAttrString(group, "check_comm");
-    PyObject *device = check_comm == NULL ? NULL : PyObject_GetAttrString(ctx, "cpu_device");
-    PyObject *owner = device == NULL ? NULL : PyObject_GetAttr(ctx, names.owner_thread);
-    PyObject *size = owner == NULL ? NULL : PyObject_GetAttrString(group, "size");
-    int ok = size != NULL;
+    /* The context's record gives its engine and owner; the group's its size (through its communicator). */
+    if (!PyObject_TypeCheck(ctx, types.context_record) || !PyObject_TypeCheck(group, types.group_record) ||
+        CONTEXT(ctx)->engine == NULL || !PyObject_TypeCheck(CONTEXT(ctx)->engine, types.engine_record) ||
+        CONTEXT(ctx)->owner_thread == NULL || GROUP(group)->queue == NULL) {
+        PyErr_SetString(PyExc_TypeError, "a lane's ctx is a set-up DistributedContext and its group a Group");
+        return -1;
+    }
+    PyObject *engine = CONTEXT(ctx)->engine;
+    int ok = 1;
     if (ok) ok = (lane->comm = mpi_comm_of(comm)) != -1 || !PyErr_Occurred();
     if (ok) ok = (lane->check_comm = mpi_comm_of(check_comm)) != -1 || !PyErr_Occurred();
     if (ok) ok = (lane->datatype = mpi_datatype_of(datatype)) != -1 || !PyErr_Occurred();
     if (ok) ok = (lane->mpi_op = mpi_op_of(mpi_op)) != -1 || !PyErr_Occurred();
-    if (ok) ok = (lane->owner = PyLong_AsUnsignedLong(owner)) != (unsigned long)-1 || !PyErr_Occurred();
-    if (ok) ok = (lane->size = (int)PyLong_AsLong(size)) != -1 || !PyErr_Occurred();
+    if (ok) ok = (lane->owner = PyLong_AsUnsignedLong(CONTEXT(ctx)->owner_thread)) != (unsigned long)-1 ||
+                 !PyErr_Occurred();
+    if (ok) ok = mpi_comm_size(lane->comm, &lane->size) == 0;
     if (ok) ok = lane_name(lane) == 0;
     if (ok) ok = take_post(lane, queued_post) == 0;
-    if (ok) ok = (lane->acquire = PyObject_GetAttr(lock, names.acquire)) != NULL;
-    if (ok) ok = (lane->release = PyObject_GetAttr(lock, names.release)) != NULL;
     if (ok) ok = (lane->nbytes_obj = PyLong_FromSsize_t((Py_ssize_t)lane->nbytes)) != NULL;
-    /* The check's rows are gathered (2-8 ranks), and a carried call reduces at least two. */
+    /* The check's rows are gathered, and a carried call reduces at least two. */
     if (ok && record != Py_None && (lane->size < 2 || lane->size > consts.gathered_ranks)) {
         PyErr_SetString(PyExc_ValueError, "a checked lane needs a group whose checks gather rows (2 to gathered_ranks ranks)");
         ok = 0;
@@ -819,19 +807,12 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_RuntimeError, "MPI_Comm_rank failed on a lane's communicator");
         ok = 0;
     }
-    if (ok) lane->lock = Py_NewRef(lock);
-    Py_XDECREF(lock);
-    Py_XDECREF(comm);
-    Py_XDECREF(check_comm);
-    Py_XDECREF(owner);
-    Py_XDECREF(size);
     if (!ok) {
-        Py_XDECREF(engine);
-        Py_XDECREF(device);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "MPI failed on a lane's communicator");
         return -1;
     }
-    lane->engine = engine;
-    lane->device = device;
+    lane->engine = Py_NewRef(engine);
+    lane->device = Py_NewRef(device);
     lane->ctx = Py_NewRef(ctx);
     lane->group = Py_NewRef(group);
     lane->op_key = Py_NewRef(op_key);
@@ -852,11 +833,7 @@ static int Lane_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(lane->post_start);
     Py_VISIT(lane->post_comm);
     Py_VISIT(lane->post_plan);
-    Py_VISIT(lane->partial);
-    Py_VISIT(lane->lock);
     Py_VISIT(lane->done_op);
-    Py_VISIT(lane->acquire);
-    Py_VISIT(lane->release);
     Py_VISIT(lane->request);
     Py_VISIT(lane->ring);
     return 0;
@@ -873,12 +850,8 @@ static int Lane_clear(PyObject *self) {
     Py_CLEAR(lane->post_start);
     Py_CLEAR(lane->post_comm);
     Py_CLEAR(lane->post_plan);
-    Py_CLEAR(lane->partial);
-    Py_CLEAR(lane->lock);
     Py_CLEAR(lane->done_op);
     Py_CLEAR(lane->nbytes_obj);
-    Py_CLEAR(lane->acquire);
-    Py_CLEAR(lane->release);
     Py_CLEAR(lane->descr);
     Py_CLEAR(lane->send);
     Py_CLEAR(lane->recv);
@@ -978,14 +951,9 @@ PyDoc_STRVAR(Lane_run_held_doc,
 "result; None where `start_held` declines the call (nothing was posted).\n\n"
 "Raises:\n    What `start_held` and the handle's resolve raise.");
 
-/* handle.resolve(), the handle's reference taken: its result, or NULL with the error set. */
+/* The handle's compiled resolve(), the handle's reference taken: its result, or NULL with the error set. */
 static PyObject *resolved(PyObject *handle) {
-    static PyObject *resolve_name;
-    if (resolve_name == NULL && (resolve_name = PyUnicode_InternFromString("resolve")) == NULL) {
-        Py_DECREF(handle);
-        return NULL;
-    }
-    PyObject *result = PyObject_CallMethodNoArgs(handle, resolve_name);
+    PyObject *result = handle_resolve(handle);
     Py_DECREF(handle);
     return result;
 }

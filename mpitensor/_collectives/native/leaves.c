@@ -29,9 +29,9 @@ PyObject *plain_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyArray_Descr *kind = NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *value = PyList_GET_ITEM(values, i), *array = value, *device = host;
-        if (Py_IS_TYPE(value, layout.tensor_type)) {
-            array = SLOT(value, layout.tensor_array);
-            device = SLOT(value, layout.tensor_device);
+        if (Py_IS_TYPE(value, types.tensor_type)) {
+            array = TENSOR(value)->array;
+            device = TENSOR(value)->device;
         }
         if (array == NULL || device == NULL || !PyArray_CheckExact(array) ||
             !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)array))

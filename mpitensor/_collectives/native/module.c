@@ -3,79 +3,103 @@
 #include "native.h"
 
 Constants consts;
-Names names;
+Types types;
+const RingApi *ring_api;
 
-int names_init(void) {
-#define NAME(field) \
-    if ((names.field = PyUnicode_InternFromString(#field)) == NULL) return -1
-    NAME(usable);
-    NAME(closed);
-    NAME(owner_thread);
-    NAME(timeout);
-    NAME(engine);
-    NAME(queue);
-    NAME(holder);
-    NAME(posted);
-    NAME(lock);
-    NAME(waiting_groups);
-    NAME(stepping);
-    NAME(check_seq);
-    NAME(checks_posted);
-    NAME(acquire);
-    NAME(release);
-    NAME(spin_pauses);
-    NAME(_is_owned);
-    NAME(append);
-    NAME(mark_broken);
-#undef NAME
+/* The trace ring's functions, from its module's capsule; 0, or -1 with an error set. */
+int ring_api_load(void) {
+    if (ring_api == NULL) ring_api = PyCapsule_Import("mpitensor._runtime.tracing._ring._C_API", 0);
+    return ring_api == NULL ? -1 : 0;
+}
+
+/* Whether `cls` is a class derived from record type `name` of mpitensor._core._records (the
+ * compiled records: the Python ones have no structs to read). 1 yes; 0 no, with an error set. */
+static int derives(PyObject *records, PyObject *cls, const char *name, PyTypeObject **record) {
+    PyObject *base = PyObject_GetAttrString(records, name);
+    if (base == NULL) return 0;
+    int ok = PyType_Check(base) && PyType_Check(cls) && PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)base);
+    if (!ok) PyErr_Format(PyExc_TypeError, "bind() takes a class derived from the compiled %s", name);
+    else if (record != NULL) *record = (PyTypeObject *)base;
+    Py_DECREF(base);
+    return ok;
+}
+
+int types_bind(PyObject *op_class, PyObject *tensor_class, PyObject *handle_class) {
+    PyObject *records = PyImport_ImportModule("mpitensor._core._records");
+    if (records == NULL) return -1;
+    PyTypeObject *op_record = NULL;
+    PyObject *context_record = PyObject_GetAttrString(records, "ContextRecord");
+    PyObject *engine_record = context_record == NULL ? NULL : PyObject_GetAttrString(records, "EngineRecord");
+    PyObject *group_record = engine_record == NULL ? NULL : PyObject_GetAttrString(records, "GroupRecord");
+    int ok = group_record != NULL && PyType_Check(context_record) && PyType_Check(engine_record) &&
+             PyType_Check(group_record) &&
+             derives(records, op_class, "OpRecord", &op_record) &&
+             derives(records, tensor_class, "TensorRecord", NULL) && derives(records, handle_class, "HandleRecord", NULL);
+    Py_DECREF(records);
+    if (!ok) {
+        Py_XDECREF(context_record);
+        Py_XDECREF(engine_record);
+        Py_XDECREF(group_record);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "mpitensor._core._records lacks its record types");
+        return -1;
+    }
+    types.context_record = (PyTypeObject *)context_record;
+    types.engine_record = (PyTypeObject *)engine_record;
+    types.group_record = (PyTypeObject *)group_record;
+    types.op_type = (PyTypeObject *)Py_NewRef(op_class);
+    types.tensor_type = (PyTypeObject *)Py_NewRef(tensor_class);
+    types.handle_type = (PyTypeObject *)Py_NewRef(handle_class);
+    types.op_record = (PyTypeObject *)Py_NewRef((PyObject *)op_record);
     return 0;
 }
 
 static const char *bind_keywords[] = {
-    "mpi", "pointer_handles", "op_class", "tensor_class", "tensor_fields", "handle_class", "handle_fields",
-    "open_contexts", "states", "later", "base_resolve", "agree_stage", "header_bytes", "payload_bytes",
+    "mpi", "pointer_handles", "op_class", "tensor_class", "handle_class",
+    "open_contexts", "states", "later", "settle", "base_resolve", "agree_stage", "header_bytes", "payload_bytes",
     "row_bytes", "reap_after", "gathered_ranks", "spin_pauses", "take_quickly", "small_bytes", "convert",
     "idle_yield", NULL};
 
 PyDoc_STRVAR(bind_doc,
-"bind(*, mpi, pointer_handles, op_class, tensor_class, tensor_fields, handle_class, handle_fields,\n"
-"     open_contexts, states, later, base_resolve, agree_stage, header_bytes, payload_bytes,\n"
+"bind(*, mpi, pointer_handles, op_class, tensor_class, handle_class,\n"
+"     open_contexts, states, later, settle, base_resolve, agree_stage, header_bytes, payload_bytes,\n"
 "     row_bytes, reap_after, gathered_ranks, spin_pauses, take_quickly, small_bytes, convert,\n"
 "     idle_yield=0)\n--\n\n"
 "Bind the module to the running MPI and to the Python classes it works with (once).\n\n"
 "mpi: the mpi4py.MPI module; pointer_handles: whether MPI's handles are pointers. op_class,\n"
-"tensor_class, handle_class: the engine's Op, Tensor and the lane handle class; tensor_fields\n"
-"and handle_fields: their slot descriptors (array, device; op, value, ctx, resolved), which\n"
-"gives C their layout. open_contexts: the stack of open contexts. states: the op states\n"
-"CHECKING .. FAILED. later: the class of values settled by the Python resolve, base_resolve\n"
-"that resolve. The rest: the check's first stage and the row layout, the\n"
+"tensor_class, handle_class: the engine's Op, Tensor and the lane handle class, derived from the\n"
+"compiled records OpRecord, TensorRecord and HandleRecord (records.h), whose fields are what\n"
+"the module reads and writes. open_contexts: the stack of open contexts. states: the op states\n"
+"CHECKING .. FAILED. later: the class of values settled by the Python resolve, settle its\n"
+"settle(value, result), base_resolve that resolve. The rest: the check's first stage and the\n"
+"row layout, the\n"
 "count of posted ops beyond which the Python path reaps, the largest group whose checks gather\n"
 "rows (a checked lane's group has 2 to gathered_ranks ranks), and the engine's spin_pauses where\n"
 "each rank has a core (fewer: more ranks than cores). take_quickly(value, small_bytes): a\n"
 "number's or CPU torch tensor's array and converter back, which `convert(value, back)` hangs\n"
 "on its handle. idle_yield: the address of Open MPI's opal_progress_set_yield_when_idle, which\n"
 "the held calls switch on around their blocking MPI call so that it gives the core back while it\n"
-"waits (0: none). The handle class gets the compiled resolve().\n\n"
+"waits (0: none). `resolve_for(handle_class)` then gives the compiled resolve().\n\n"
 "Raises:\n"
 "    RuntimeError: MPI's functions or mpi4py's C API could not be found (the message says which).\n"
 "    TypeError: a class lacks a slot the module reads.");
 
 static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
-    PyObject *mpi4py, *op_class, *tensor_class, *tensor_fields, *handle_class, *handle_fields, *contexts, *states;
-    PyObject *later, *base_resolve, *take_quickly, *small_bytes, *convert;
+    PyObject *mpi4py, *op_class, *tensor_class, *handle_class, *contexts, *states;
+    PyObject *later, *settle, *base_resolve, *take_quickly, *small_bytes, *convert;
     int pointer_handles;
     unsigned long long idle_yield = 0;
     if (consts.bound) Py_RETURN_NONE;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOOOO!O!OOiiiiiiiOO!OK", (char **)bind_keywords, &mpi4py,
-                                     &pointer_handles, &op_class, &tensor_class, &tensor_fields, &handle_class,
-                                     &handle_fields, &PyList_Type, &contexts, &PyTuple_Type, &states, &later,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOO!O!OOOiiiiiiiOO!OK", (char **)bind_keywords, &mpi4py,
+                                     &pointer_handles, &op_class, &tensor_class, &handle_class,
+                                     &PyList_Type, &contexts, &PyTuple_Type, &states, &later, &settle,
                                      &base_resolve, &consts.agree_stage, &consts.header_bytes,
                                      &consts.payload_bytes, &consts.row_bytes, &consts.reap_after, &consts.gathered_ranks,
                                      &consts.spin_pauses, &take_quickly, &PyLong_Type, &small_bytes, &convert,
                                      &idle_yield))
         return NULL;
-    if (PyTuple_GET_SIZE(states) != 5 || !PyType_Check(later) || !PyCallable_Check(base_resolve) ||
+    if (PyTuple_GET_SIZE(states) != 5 || !PyType_Check(later) || !PyCallable_Check(settle) ||
+        !PyCallable_Check(base_resolve) ||
         !PyCallable_Check(take_quickly) || !PyType_Check(convert) ||
         consts.header_bytes != 16 || consts.gathered_ranks < 2 || consts.row_bytes != consts.header_bytes + consts.payload_bytes) {
         PyErr_SetString(PyExc_TypeError, "bind(): five states, a class, a function and a 16-byte header");
@@ -86,16 +110,15 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_RuntimeError, why);
         return NULL;
     }
-    if (slots_bind(op_class, tensor_class, tensor_fields, handle_class, handle_fields) < 0) return NULL;
-    PyObject *resolve = PyDescr_NewMethod((PyTypeObject *)handle_class, &handle_resolve_def);
-    if (resolve == NULL || PyObject_SetAttrString(handle_class, "resolve", resolve) < 0) {
-        Py_XDECREF(resolve);
-        return NULL;
-    }
-    Py_DECREF(resolve);
+    if (types_bind(op_class, tensor_class, handle_class) < 0) return NULL;
+    PyObject *functools = PyImport_ImportModule("functools");
+    consts.partial = functools == NULL ? NULL : PyObject_GetAttrString(functools, "partial");
+    Py_XDECREF(functools);
+    if (consts.partial == NULL) return NULL;
     for (int i = 0; i < 5; i++) consts.states[i] = Py_NewRef(PyTuple_GET_ITEM(states, i));
     consts.open_contexts = Py_NewRef(contexts);
     consts.later_type = Py_NewRef(later);
+    consts.settle = Py_NewRef(settle);
     consts.base_resolve = Py_NewRef(base_resolve);
     consts.take_quickly = Py_NewRef(take_quickly);
     consts.small_bytes = Py_NewRef(small_bytes);
@@ -110,6 +133,20 @@ PyDoc_STRVAR(rows_kind_doc,
 "The loop that reduces carried rows of NumPy type number `type_num` with op `op_code`\n"
 "(SUM 1, PROD 2, MAX 3, MIN 4, BAND 5, BOR 6, BXOR 7), or -1 when this module has none.");
 
+PyDoc_STRVAR(resolve_for_doc,
+"resolve_for(handle_class)\n--\n\n"
+"The compiled resolve() as a method of `handle_class` (the class given to bind()), for the class\n"
+"to take as its `resolve`.");
+
+static PyObject *resolve_for(PyObject *module, PyObject *cls) {
+    (void)module;
+    if (!consts.bound || cls != (PyObject *)types.handle_type) {
+        PyErr_SetString(PyExc_TypeError, "resolve_for() takes the handle class given to bind(), once bound");
+        return NULL;
+    }
+    return PyDescr_NewMethod(types.handle_type, &handle_resolve_def);
+}
+
 static PyObject *rows_kind_py(PyObject *module, PyObject *args) {
     (void)module;
     int type_num, op_code;
@@ -120,6 +157,7 @@ static PyObject *rows_kind_py(PyObject *module, PyObject *args) {
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_VARARGS | METH_KEYWORDS, bind_doc},
     {"rows_kind", rows_kind_py, METH_VARARGS, rows_kind_doc},
+    {"resolve_for", resolve_for, METH_O, resolve_for_doc},
     {"forget", lane_cache_forget, METH_O, forget_doc},
     {"set_before_call", set_before_call, METH_O, set_before_call_doc},
     {"wait_at_call", wait_at_call, METH_O, wait_at_call_doc},
@@ -138,11 +176,7 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__lanes(void) {
     import_array();
-    if (names_init() < 0) return NULL;
-    if ((consts.empty_tuple = PyTuple_New(0)) == NULL || (consts.one = PyLong_FromLong(1)) == NULL ||
-        (consts.await_queued_check = PyUnicode_InternFromString("await_queued_check")) == NULL ||
-        (consts.settle = PyUnicode_InternFromString("settle")) == NULL)
-        return NULL;
+    if ((consts.empty_tuple = PyTuple_New(0)) == NULL || (consts.one = PyLong_FromLong(1)) == NULL) return NULL;
     if (PyType_Ready(&LaneType) < 0 || PyType_Ready(&DivideType) < 0 || PyType_Ready(&DecodeType) < 0 ||
         PyType_Ready(&EntryType) < 0) return NULL;
     PyObject *module = PyModule_Create(&module_def);

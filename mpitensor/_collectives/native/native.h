@@ -1,9 +1,10 @@
 /* The compiled lane of repeated small all-reduces: declarations shared by its files.
  *
  * The module is bound once, after MPI is initialized (`bind` in module.c): it finds MPI's
- * functions in the library mpi4py loaded (abi.c), learns the slot layout of the Python
- * classes whose objects it builds and reads (slots.c), and keeps the constants it needs.
- * Until then every call takes the Python path.
+ * functions in the library mpi4py loaded (abi.c), takes the classes whose objects it builds
+ * (derived from the records of `records.h`, whose fields are all it reads and writes of the
+ * runtime's objects), and keeps the constants it needs. Until then every call takes the
+ * Python path.
  */
 #ifndef MPITENSOR_NATIVE_H
 #define MPITENSOR_NATIVE_H
@@ -51,44 +52,50 @@ int mpi_alltoall_bytes(const void *send, void *recv, int count, mpi_handle comm)
 int mpi_gather_bytes(const void *send, void *recv, int count, int root, mpi_handle comm);
 int mpi_reduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, int root, mpi_handle comm);
 int mpi_comm_rank(mpi_handle comm, int *rank);
+int mpi_comm_size(mpi_handle comm, int *size);
 int mpi_test(void *request, int *flag);
 int mpi_wait(void *request);
-/* Set the error `engine.mpi_failed(MPI.Exception(code), op, name)` makes of MPI's error `code`
- * (it breaks the context; its message names `op`, or the call `name` where op is None). */
+/* Set the error the engine's `mpi_failed(MPI.Exception(code), op, name)` makes of MPI's error
+ * `code` (it breaks the context; its message names `op`, or the call `name` where op is None). */
 void mpi_failed(PyObject *engine, int code, PyObject *op, PyObject *name);
 
-/* ---- the Python classes' slots (slots.c) ------------------------------------------------ */
+/* ---- the runtime's objects (records.h) --------------------------------------------------
+ * Ops, tensors, handles, groups, the engine and the context are Python objects whose classes
+ * derive from the record types of `mpitensor._core._records`: compiled code reads and writes
+ * their fields in those records' structs, never by attribute name. The classes of the objects
+ * the lane makes are given at bind time (checked to derive from their records). */
+#include "records.h"
+
 typedef struct {
-    PyTypeObject *op_type, *tensor_type, *handle_type;
-    /* Op */
-    Py_ssize_t op_name, op_group, op_nbytes, op_post, op_finish, op_record, op_keep, op_protections,
-        op_exchange, op_compare, op_payload, op_requests, op_stepper, op_state, op_result, op_error,
-        op_check_req, op_check_send, op_check_recv, op_check_stage, op_seq, op_trace;
-    /* Tensor */
-    Py_ssize_t tensor_array, tensor_device;
-    /* CollectiveTensor */
-    Py_ssize_t handle_op, handle_value, handle_ctx, handle_resolved;
-} Layout;
+    PyTypeObject *op_type, *tensor_type, *handle_type; /* Op, Tensor and LaneTensor: made by the lane */
+    PyTypeObject *op_record;                           /* OpRecord: what a handle's op must be */
+    PyTypeObject *context_record, *engine_record;      /* what a handle's context and a context's engine must be */
+    PyTypeObject *group_record;                        /* what a lane's group must be */
+} Types;
 
-extern Layout layout;
-int slots_bind(PyObject *op_class, PyObject *tensor_class, PyObject *tensor_fields, PyObject *handle_class,
-               PyObject *handle_fields);
+extern Types types;
+int types_bind(PyObject *op_class, PyObject *tensor_class, PyObject *handle_class);
 
-#define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
+#define OP(object) RECORD(OpRecord, object)
+#define TENSOR(object) RECORD(TensorRecord, object)
+#define HANDLE(object) RECORD(HandleRecord, object)
+#define GROUP(object) RECORD(GroupRecord, object)
+#define ENGINE(object) RECORD(EngineRecord, object)
+#define CONTEXT(object) RECORD(ContextRecord, object)
 
-/* Store `value` (a new reference is taken) in a slot, dropping what it held. */
-static inline void slot_set(PyObject *object, Py_ssize_t offset, PyObject *value) {
-    PyObject *old = SLOT(object, offset);
+/* Store `value` (a new reference is taken) in a record's field, dropping what it held. */
+static inline void field_set(PyObject **field, PyObject *value) {
+    PyObject *old = *field;
     Py_XINCREF(value);
-    SLOT(object, offset) = value;
+    *field = value;
     Py_XDECREF(old);
 }
 
 /* Store `value`, stealing the reference; 0, or -1 if `value` is NULL (an error is set). */
-static inline int slot_steal(PyObject *object, Py_ssize_t offset, PyObject *value) {
+static inline int field_steal(PyObject **field, PyObject *value) {
     if (value == NULL) return -1;
-    PyObject *old = SLOT(object, offset);
-    SLOT(object, offset) = value;
+    PyObject *old = *field;
+    *field = value;
     Py_XDECREF(old);
     return 0;
 }
@@ -97,9 +104,9 @@ static inline int slot_steal(PyObject *object, Py_ssize_t offset, PyObject *valu
 #include "ring_api.h"
 extern const RingApi *ring_api;
 int ring_api_load(void);
-/* Record moment `field` of `op` where it is traced (its `trace` slot holds a span). */
+/* Record moment `field` of `op` where it is traced (its `trace` field holds a span). */
 static inline void trace_mark(PyObject *op, int field) {
-    PyObject *span = SLOT(op, layout.op_trace);
+    PyObject *span = OP(op)->trace;
     if (span != NULL && span != Py_None && ring_api != NULL) ring_api->mark(span, field);
 }
 
@@ -110,12 +117,12 @@ typedef struct {
     PyObject *states[5];            /* the engine's op states as ints: CHECKING .. FAILED */
     PyObject *empty_tuple, *one;
     PyObject *later_type;           /* common.Later: a value settled by the Python resolve */
+    PyObject *settle;               /* Later.settle(later, result), the function */
     PyObject *base_resolve;         /* CollectiveTensor.resolve, the general path */
-    PyObject *await_queued_check;   /* the name of Engine.await_queued_check */
-    PyObject *settle;               /* the name of Later.settle */
     PyObject *take_quickly;         /* interop.take_quickly: a foreign input's array and converter */
     PyObject *small_bytes;          /* the largest foreign input it views (an int) */
     PyObject *convert_type;         /* common.Convert: a result given back in the input's kind */
+    PyObject *partial;              /* functools.partial: a queued op's post */
     int agree_stage;                /* the check's first stage (engine._AGREE) */
     int header_bytes, payload_bytes, row_bytes;
     int reap_after;                 /* posted ops beyond which the Python path reaps */
@@ -128,15 +135,6 @@ typedef struct {
 extern Constants consts;
 
 enum { CHECKING = 0, QUEUED = 1, POSTED = 2, COMPLETE = 3, FAILED = 4 };
-
-/* Interned attribute names read on every call. */
-typedef struct {
-    PyObject *usable, *closed, *owner_thread, *timeout, *engine, *queue, *holder, *posted, *lock, *waiting_groups,
-        *stepping, *check_seq, *checks_posted, *acquire, *release, *spin_pauses, *_is_owned, *append, *mark_broken;
-} Names;
-
-extern Names names;
-int names_init(void);
 
 /* ---- local reductions of carried rows (rows.c) ----------------------------------------- */
 /* The loop reducing `count` elements of type `type_num` with op `op_code` (a ReduceOperation
@@ -176,6 +174,7 @@ PyObject *wait_at_call(PyObject *module, PyObject *flag);
 extern const char wait_at_call_doc[];
 extern const char set_before_call_doc[];
 extern PyMethodDef handle_resolve_def;
+PyObject *handle_resolve(PyObject *handle); /* the compiled resolve() of a lane's handle, no timeout */
 PyObject *make_tensor(PyObject *array, PyObject *device);
 
 /* ---- a fused all-reduce's leaves (leaves.c) ---------------------------------------------- */
@@ -184,14 +183,14 @@ PyObject *pack_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 PyObject *unpack_leaves(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 extern const char plain_leaves_doc[], pack_doc[], unpack_doc[];
 
-/* Call `lock.acquire()` / `lock.release()` of the engine (an RLock). `engine_unlock` keeps an
- * exception already set: the error paths release the lock with their error pending, and a
- * Python call made with an exception set would lose it (SystemError: "returned NULL without
- * setting an exception"). */
-int engine_lock(PyObject *acquire);
+/* Take and let go the engine's lock (its record's `lock_acquire` and `lock_release`, an RLock's).
+ * `engine_unlock` keeps an exception already set: the error paths release the lock with their
+ * error pending, and a Python call made with an exception set would lose it (SystemError:
+ * "returned NULL without setting an exception"). */
+int engine_lock(PyObject *engine);
 /* Whether this thread holds the engine's lock (handle.c); 1, 0, or -1 on error. */
-int lock_held_here(PyObject *lock);
-void engine_unlock(PyObject *release);
+int lock_held_here(PyObject *engine);
+void engine_unlock(PyObject *engine);
 
 /* An exception taken out of the interpreter while Python code runs, then put back. Every C
  * path that calls into Python with an error already set goes through these. */
