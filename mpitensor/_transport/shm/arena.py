@@ -2,17 +2,69 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
 from .protocol import PID
 from .settings import MAX_CACHED_BYTES, PAGE
 
-__all__ = ["Arena", "Block", "Lease", "map_peer"]
+__all__ = ["Arena", "Block", "Lease", "Mapping", "map_peer"]
+
+
+_libc: Any = None
+
+
+def _mapper() -> Any:
+    """The C library's ``mmap`` and ``munmap`` (typed once)."""
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = libc
+    return _libc
+
+
+class Mapping:
+    """A file's first `nbytes` mapped shared and writable, unmapped when the last array on it goes.
+
+    Unlike ``mmap.mmap``, which keeps a duplicate of the file descriptor for as long as the
+    mapping lives, it keeps none: a mapping needs no descriptor once made. So mapping a
+    peer's blocks costs this rank no descriptors however many it keeps mapped, and its own
+    blocks one each (the one peers open).
+
+    Args:
+        fd: the file (a ``memfd``).
+        nbytes: how much of it to map (more than zero).
+
+    Raises:
+        OSError: ``mmap`` refused.
+    """
+
+    __slots__ = ("__array_interface__", "_munmap", "address", "nbytes")
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        libc = _mapper()
+        address = libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if address is None or address == ctypes.c_void_p(-1).value:
+            error = ctypes.get_errno()
+            raise OSError(error, f"mmap of {nbytes} bytes: {os.strerror(error)}")
+        self.address = address
+        self.nbytes = nbytes
+        self._munmap = libc.munmap  # kept: module globals may be gone when the last array goes at exit
+        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+    def __del__(self) -> None:
+        self._munmap(self.address, self.nbytes)
 
 
 class Block:
@@ -24,7 +76,7 @@ class Block:
         fd = os.memfd_create(f"mpitensor-{block_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
-            self.mem = np.frombuffer(mmap.mmap(fd, nbytes), np.uint8)
+            self.mem = np.asarray(Mapping(fd, nbytes))
         except BaseException:
             os.close(fd)
             raise
@@ -141,7 +193,7 @@ def map_peer(group_rank: int, info: np.ndarray, which: int) -> np.ndarray:
     try:
         if os.fstat(handle).st_ino != ino:
             raise OSError(f"{path} is not the shared block rank {group_rank} named")
-        return np.frombuffer(mmap.mmap(handle, nbytes), np.uint8)
+        return np.asarray(Mapping(handle, nbytes))
     finally:
-        os.close(handle)
+        os.close(handle)  # the mapping lives on without it
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..base import Channel, Stepper
 from .arena import Arena, Block, Lease, map_peer
-from .protocol import C_ARRIVE, C_DONE, CONTROL_BYTES, CTL_ID, INFO_LEN
+from .protocol import C_ARRIVE, C_COPIED, C_DONE, C_READY, CONTROL_BYTES, CTL_ID, INFO_LEN
 from .settings import MAX_PEER_MAP_BYTES, PIECE_BYTES, cpu_count
 
 __all__ = ["FlagWait", "GroupState"]
@@ -84,8 +84,11 @@ class GroupState:
         self.rows = np.zeros((group.size, INFO_LEN), np.int64)
         self.node_rows: Any = slice(None) if self.flat else list(self.node)
         self.oversubscribed = len(self.node) >= cpu_count()  # no core left for another thread
-        self.arrived = FlagWait([], C_ARRIVE, 0, len(self.node) > cpu_count())
-        self.done = FlagWait([], C_DONE, 0, len(self.node) > cpu_count())
+        crowded = len(self.node) > cpu_count()
+        self.arrived = FlagWait([], C_ARRIVE, 0, crowded)  # the peers' descriptors are out
+        self.done = FlagWait([], C_DONE, 0, crowded)  # the peers' slices are reduced
+        self.ready = FlagWait([], C_READY, 0, crowded)  # the leader's block holds the result
+        self.copied = FlagWait([], C_COPIED, 0, crowded)  # the peers copied it from there
 
     def lease_result(
         self, shape: tuple[int, ...], dtype: np.dtype, pool: Any
@@ -157,7 +160,9 @@ class GroupState:
             self.peer_controls = [
                 map_peer(r, infos[r], CTL_ID).view(np.int64) for r in self.node if r != self.group.rank
             ]
-            self.arrived.controls = self.done.controls = self.peer_controls
+            self.arrived.controls = self.done.controls = self.copied.controls = self.peer_controls
+            # The leader is the node's first rank: first among a peer's peers.
+            self.ready.controls = self.peer_controls[:1]
 
     def free(self) -> None:
         """Drop the blocks and mappings (called when the context closes)."""

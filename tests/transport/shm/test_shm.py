@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
 import zlib
 from functools import partial
 
@@ -45,7 +46,9 @@ _UFUNC = {OP.SUM: np.add, OP.MEAN: np.add, OP.MAX: np.maximum, OP.MIN: np.minimu
 
 # Float64s above the small-message path (which stays on MPI whatever the settings).
 ABOVE_SMALL = SMALL_BYTES // 8 + 905
+mt.defer_finalize()  # two contexts, one after the other
 FAST = mt.DistributedConfig(shared_memory=True)
+PEER_BLOCK = _group_state.GroupState.peer_block
 PLAIN = mt.DistributedConfig(shared_memory=False)
 
 
@@ -429,6 +432,107 @@ def test_a_rank_without_shared_memory_makes_every_rank_fall_back(monkeypatch):
         np.testing.assert_array_equal(np.array(result), reference(OP.SUM, inputs))
         assert group_state(ctx).disabled
         assert via_shared_memory(result) == (ctx.rank != 0)
+
+
+# -- file descriptors ------------------------------------------------------------------------
+
+
+def memfds() -> int:
+    """The shared-memory files this process holds open."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:mpitensor")
+        except OSError:  # the listing's own descriptor, closed meanwhile
+            pass
+    return count
+
+
+@mpi
+@pytest.mark.parametrize("scheme", ["flat", "hierarchical"])
+def test_peers_blocks_cost_no_file_descriptors(monkeypatch, scheme):
+    # A rank keeps open only its own blocks (the descriptors its peers open): its control
+    # block and one block per size of message here, however many peers it maps.
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        if scheme == "hierarchical":
+            if ctx.size < 3:
+                pytest.skip("two nodes, one of two ranks, take 3 ranks")
+            pseudo_nodes(monkeypatch, 2)  # read by the group's first shared-memory call
+        before = memfds()
+        for count in (ABOVE_SMALL, 2 * ABOVE_SMALL, 4 * ABOVE_SMALL):
+            inputs = [exact_input(seed_of("fds", count), r, (count,), np.float64, OP.SUM) for r in range(ctx.size)]
+            for _ in range(3):
+                result = mt.all_reduce(inputs[ctx.rank]).resolve()
+                assert via_shared_memory(result)
+                np.testing.assert_array_equal(np.array(result), reference(OP.SUM, inputs))
+                del result
+        gc.collect()
+        assert memfds() - before == 4
+    assert memfds() == before  # closed with the context
+
+
+# -- several node leaders (a child job of 6 ranks: 3 nodes of 2, then 2 nodes) --------------
+
+_LEADERS_JOB = """
+import hashlib
+import os
+import numpy as np
+import mpitensor as mt
+from mpitensor._transport.shm import group_state as _group_state
+
+mt.defer_finalize()  # two contexts, one after the other
+FAST = mt.DistributedConfig(shared_memory=True)
+PEER_BLOCK = _group_state.GroupState.peer_block
+
+
+def reference(arrays):
+    acc = arrays[0]
+    for array in arrays[1:]:
+        acc = acc + array
+    return acc
+
+
+for node_size in ("2", "4"):
+    os.environ["MPITENSOR_SHM_NODE_SIZE"] = node_size  # nodes {0, 1}, {2, 3}, {4, 5}; then {0..3}, {4, 5}
+    with mt.DistributedContext.init(config=FAST) as ctx:
+        for count in (5, 70001):
+            ints = [np.random.default_rng([count, r]).integers(-50, 51, count).astype(np.float32)
+                    for r in range(ctx.size)]
+            for op, expected in ((mt.ReduceOperation.SUM, reference(ints)),
+                                 (mt.ReduceOperation.MAX, np.max(ints, axis=0))):
+                for _ in range(3):  # the first call by messages, the next ones through the control blocks
+                    result = np.array(mt.all_reduce(ints[ctx.rank], op).resolve())
+                    assert np.array_equal(result, expected), (node_size, count, op)
+        noisy = [np.random.default_rng([3, r]).standard_normal(50001) for r in range(ctx.size)]
+        result = np.array(mt.all_reduce(noisy[ctx.rank]).resolve())
+        assert np.allclose(result, np.sum(noisy, axis=0), rtol=1e-12, atol=1e-12)
+        digests = set(ctx.comm.allgather(hashlib.sha256(result.tobytes()).hexdigest()))
+        assert len(digests) == 1, "different bits on different ranks"
+        if node_size == "2" and ctx.rank == ctx.size - 1:
+            def refuse(self, *args):
+                raise OSError("simulated: no access to the peer's memory")
+
+            _group_state.GroupState.peer_block = refuse
+            state = ctx.group(None).extra["shared_memory"]
+            state.peer_maps.clear()
+        ints = [np.full(30001, r + 1, np.int64) for r in range(ctx.size)]
+        for _ in range(2):  # the first falls back after agreeing, the next starts there
+            result = np.array(mt.all_reduce(ints[ctx.rank]).resolve())
+            assert np.array_equal(result, reference(ints)), node_size
+        disabled = ctx.group(None).extra["shared_memory"].disabled
+        assert disabled == (node_size == "2"), disabled
+        _group_state.GroupState.peer_block = PEER_BLOCK
+    report("done", node_size, ctx.rank)
+"""
+
+
+@pytest.mark.subprocess
+def test_three_node_leaders_and_the_fallback_at_six_ranks(tmp_path):
+    # Three leaders: one folded into another for the reduce-scatter; the fallback over 6
+    # ranks folds two. Results are NumPy's, and the same bits on every rank.
+    result = run_job(_LEADERS_JOB, 6, timeout=120, tmp_path=tmp_path)
+    assert result.returncode == 0, result.output
+    assert len(result.reported("done")) == 12, result.output
 
 
 # -- progress when one rank waits on another operation (child jobs, so a hang fails fast) ----
