@@ -12,7 +12,8 @@
 # rank-K.log beside it; a failing run prints the others' last lines. The script ends with a
 # recap of every run (the last lines of a long CI log are often all that is kept): its
 # status, and the failed tests and dumped stacks of the runs that failed. After the runs at
-# each size, one more at 2 ranks has the compiled lane switched off (MPITENSOR_NATIVE=0).
+# each size, one more at 2 ranks has the compiled lane switched off (MPITENSOR_NATIVE=0),
+# then torch's own distributed suite runs on the "mpitensor" backend (scripts/torch_suite.py).
 set -uo pipefail
 venv=${1:?usage: run-tests.sh VENV [NP...]}
 shift
@@ -80,6 +81,16 @@ done
 # The compiled lane switched off: the Python lanes and loops take every call they would take.
 run "mpiexec -n 2, compiled lane off" "logs/$name/np2-python" env MPITENSOR_NATIVE=0 \
   scripts/mpirun.sh --venv "$venv" -n 2 "$py" scripts/pytest_rank.py "${pytest_args[@]}" -m mpi
+# torch's own distributed suite on the "mpitensor" backend (where torch is installed): the
+# tests torch runs for gloo at 2 and 3 ranks, and those it runs for its MPI backend at 3.
+if "$py" -c "import torch.distributed" 2>/dev/null; then
+  for n in 2 3; do
+    run "torch's suite, gloo's tests, mpiexec -n $n" "logs/$name/torch-gloo-np$n" \
+      scripts/mpirun.sh --venv "$venv" -n "$n" "$py" scripts/torch_suite.py --selection gloo
+  done
+  run "torch's suite, MPI's tests, mpiexec -n 3" "logs/$name/torch-mpi-np3" \
+    scripts/mpirun.sh --venv "$venv" -n 3 "$py" scripts/torch_suite.py --selection mpi
+fi
 
 echo "=== $name: recap"
 for line in "${recap[@]}"; do

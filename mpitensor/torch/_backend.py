@@ -9,8 +9,10 @@ closed again by ``dist.destroy_process_group()``).
 torch looks for a rendezvous (``env://``) whenever ``init_process_group`` gets no store;
 only its built-in MPI backend is exempt. So this module wraps
 ``torch.distributed.init_process_group`` (and ``monitored_barrier``, which torch keeps for
-gloo): for the ``mpitensor`` backend the wrapper opens the context and hands torch a
-local placeholder store, rank and world size; every other call goes to torch unchanged.
+gloo): for the ``mpitensor`` backend the wrapper opens the context and hands torch MPI's
+rank and world size and a store every rank shares (`rendezvous_store`: rank 0 serves it,
+MPI tells the others where), which torch's other groups beside this one rendezvous
+through (``dist.new_group(backend="gloo")``); every other call goes to torch unchanged.
 It also installs `_frontends`' wrappers (conjugate views, the object collectives' turns).
 """
 
@@ -22,6 +24,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -29,6 +32,7 @@ import mpitensor as mt
 
 from ._frontends import FRONTENDS
 from ._process_group import BACKEND_NAME, ProcessGroupMpitensor
+from ._store import rendezvous_store
 
 __all__ = ["register"]
 
@@ -67,7 +71,22 @@ def _create(options: Any, backend_options: Any) -> ProcessGroupMpitensor:
     seconds = None if timeout is None or timeout == _TORCH_DEFAULT_TIMEOUT else timeout.total_seconds()
     if ranks is not None and ranks == list(range(ctx.size)):
         ranks = None  # the whole world: the context's own communicator and the fast lanes
-    return ProcessGroupMpitensor(options.group_rank, size, ranks, seconds)
+    group = ProcessGroupMpitensor(options.group_rank, size, ranks, seconds)
+    _declare_devices(group)
+    return group
+
+
+def _declare_devices(group: ProcessGroupMpitensor) -> None:
+    """Tell torch the group serves CPU and CUDA tensors (``pg._device_types``, which ``dcp.async_save`` asks).
+
+    torch learns a group's devices from the C++ backends registered on it; a group written
+    in Python has none (torch cannot subclass its C++ backend in Python), so an empty one is
+    registered per device. Every collective is the group's own Python method; a method torch
+    would send to such a backend instead raises torch's "Could not retrieve or create the
+    backend", as it did before with no backend at all.
+    """
+    for device in ("cpu", "cuda"):
+        group._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, None)
 
 
 def _wrap_init(init: Any) -> Any:
@@ -84,7 +103,8 @@ def _wrap_init(init: Any) -> Any:
         try:
             _check_world(bound.arguments, ctx)
             if bound.arguments.get("store") is None and bound.arguments.get("init_method") is None:
-                bound.arguments.update(store=dist.HashStore(), rank=ctx.rank, world_size=ctx.size)
+                timeout = bound.arguments.get("timeout") or _TORCH_DEFAULT_TIMEOUT
+                bound.arguments.update(store=rendezvous_store(ctx, timeout), rank=ctx.rank, world_size=ctx.size)
             result = init(*bound.args, **bound.kwargs)
         except BaseException:
             if opened:

@@ -11,8 +11,10 @@ GPU paths (staged through the host, or CUDA-aware MPI).
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -25,10 +27,12 @@ from .. import integration
 from ._arrays import host_view, numpy_dtype, torch_view
 from ._completer import Completer
 from ._hooks import HookCollectives
-from ._monitored_barrier import monitored_barrier
+from ._monitored_barrier import Monitor, monitored_barrier
 from ._p2p import discard, notice_error, send_notice, sendable
 from ._reduce_ops import known_operation, reduce_operation
 from ._sizes import agree_all_gather, agree_all_to_all, agree_gather, agree_scatter, refuse
+from ._sparse import check_sparse, sparse_all_reduce
+from ._unseen import unseen_by_dynamo
 from ._work import Work, finished_work, waited
 
 __all__ = ["BACKEND_NAME", "ProcessGroupMpitensor"]
@@ -40,6 +44,7 @@ _ARRIVE_TAG = 16382
 _RELEASE_TAG = 16383
 
 
+@unseen_by_dynamo
 class ProcessGroupMpitensor(dist.ProcessGroup):
     """A torch process group whose collectives are mpitensor's (backend ``"mpitensor"``).
 
@@ -63,9 +68,17 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._group_name = ""
         self._completed = finished_work(self._completer)
         self._group_desc = ""
-        self._tokens: dict[tuple[int, bool], Any] = {}  # monitored_barrier's receipts left posted
-        # Made with the group, as every rank makes it: the communicator of callbacks' collectives.
-        self._hooks = HookCollectives(integration.side_communicator(self._devices), timeout)
+        self._monitor = Monitor(self)  # what monitored_barrier calls leave posted
+        self._sequence = 0  # collectives started on the group (torch's sequence number)
+        # Made with the group, as every rank makes it: a communicator apart from the group's
+        # collectives, for callbacks' collectives and for settling the group's end.
+        self._side = integration.side_communicator(self._devices)
+        self._hooks = HookCollectives(self._side, timeout)
+        if self._devices is not None:
+            # mpitensor makes a sub-group's communicator at its first collective, which waits
+            # for every member: made now, while every member is here (torch's new_group), a
+            # first call that one member skips (a failed monitored_barrier) cannot wait there.
+            mt.barrier(self._devices)
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -97,16 +110,31 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._on_shutdown = action
 
     def shutdown(self) -> None:
-        """Called by ``dist.destroy_process_group``: run the shutdown action, once."""
+        """Called by ``dist.destroy_process_group`` on every rank of the group: end it, once.
+
+        Completes what failed ``monitored_barrier`` calls left posted on any rank (see
+        `Monitor.settle`), frees the group's communicator and runs the shutdown action.
+        """
         action, self._on_shutdown = self._on_shutdown, None
         self._completer.stop()
-        self._hooks.free()
+        if self._side is not None:
+            self._monitor.settle(self._side, self._timeout)
+            self._hooks.free()
+            self._side = None
         if action is not None:
             action()
 
     def abort(self) -> None:
         """End the whole job (MPI cannot end one group alone)."""
         mt.current_context().abort(1)
+
+    def _get_sequence_number_for_group(self) -> int:
+        """How many collectives the group has started (the same on every rank; torch's sequence number)."""
+        return self._sequence
+
+    def _set_sequence_number_for_group(self) -> None:
+        """Start counting from zero (every rank of a new group already does)."""
+        self._sequence = 0
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -135,6 +163,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         Called by a future's callback (a communication hook such as PowerSGD), it runs there
         on the callbacks' own communicator (see `HookCollectives`) and is complete on return.
         """
+        self._sequence += 1
         if self._completer.on_thread():
             return finished_work(self._completer, self._hooks.all_reduce(tensors, opts, self._completer.chain))
         if opts is not None and not opts.asyncOp and self._devices is None and len(tensors) == 1:
@@ -153,6 +182,9 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def _all_reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         op, factor = _operation(opts)
         devices = self._devices
+        if any(tensor.layout is not torch.strided for tensor in tensors):
+            sparse_all_reduce(check_sparse(tensors, op, factor), devices, self._timeout)
+            return self._completed
         for tensor in tensors:
             _check_reduced(tensor, op, "all_reduce")
         waits = opts is not None and not opts.asyncOp
@@ -171,6 +203,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """``dist.all_reduce_coalesced`` and the coalescing manager: one fused all-reduce."""
+        self._sequence += 1
         with mt.collective_call("all_reduce", self._devices):
             op, factor = _operation(opts)
             for tensor in tensors:
@@ -180,6 +213,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.reduce``: the root's tensor becomes the reduction; others are unchanged."""
+        self._sequence += 1
         with mt.collective_call("reduce", self._devices):
             op, factor = _operation(opts)
             root = self._global(opts.rootRank)
@@ -192,6 +226,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any) -> Work:
         """``dist.reduce_scatter``: rank k gets the reduction of everyone's k-th tensor."""
+        self._sequence += 1
         with mt.collective_call("reduce_scatter", self._devices):
             output = _one(output_tensors, "reduce_scatter")
             inputs = _only(input_tensors, "reduce_scatter")
@@ -206,6 +241,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:  # noqa: A002
         """``dist.reduce_scatter_tensor``: rank k gets block k of the reduced input."""
+        self._sequence += 1
         with mt.collective_call("reduce_scatter", self._devices):
             self._check_scattered(output, input, "reduce_scatter_tensor")
             return self._reduce_scatter(output, input.reshape(-1), None, opts)
@@ -254,6 +290,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.broadcast``: every rank's tensor becomes the root's, in place."""
+        self._sequence += 1
         with mt.collective_call("broadcast", self._devices):
             root = self._global(opts.rootRank)
             for tensor in tensors:  # all of them before the first starts: never a call failed halfway
@@ -280,6 +317,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> Work:
         """``dist.all_gather``: output k becomes rank k's input (sizes checked against every rank's outputs)."""
+        self._sequence += 1
         with mt.collective_call("all_gather", self._devices):
             outputs = _only(output_tensors, "all_gather")
             tensor = _one(input_tensors, "all_gather")
@@ -295,6 +333,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         Each rank's input is gathered as one row, so that the check compares the inputs'
         sizes: ranks whose inputs differ get ``CollectiveMismatchError`` on every rank.
         """
+        self._sequence += 1
         with mt.collective_call("all_gather", self._devices):
             self._check_gathered(output, input, "all_gather_into_tensor")
             view = None if _shares_memory(input, output) else _host_out(output)  # FSDP gathers in place
@@ -337,6 +376,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
         Each rank's output k is checked against what rank k sends it, before the data moves.
         """
+        self._sequence += 1
         with mt.collective_call("all_to_all", self._devices):
             dtype = input_tensors[0].dtype if input_tensors else None
             _check_count(input_tensors, self.size(), "all_to_all", "input_tensor_list", dtype)
@@ -357,6 +397,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         sizes are checked against what each rank sends it, before the data moves. Rows may
         be zero on any rank (an expert with no tokens).
         """
+        self._sequence += 1
         with mt.collective_call("all_to_all", self._devices):
             _check_dense(input, "all_to_all_single")
             _check_dense(output, "all_to_all_single")
@@ -386,6 +427,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.gather``: the root's list gets every rank's input (sizes checked against the root's list)."""
+        self._sequence += 1
         with mt.collective_call("gather", self._devices):
             root = self._global(opts.rootRank)
             me = self._global(self.rank())
@@ -403,6 +445,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Work:
         """``dist.scatter``: rank k's output becomes the root's k-th tensor (sizes checked against the outputs)."""
+        self._sequence += 1
         with mt.collective_call("scatter", self._devices):
             root = self._global(opts.rootRank)
             me = self._global(self.rank())
@@ -423,19 +466,59 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         return self._work([handle], _copy_into([output]), [output])
 
     def barrier(self, opts: Any = None) -> Work:
-        """``dist.barrier``: returns once every rank of the group has arrived."""
-        mt.barrier(self._devices)
+        """``dist.barrier``: returns once every rank of the group has arrived.
+
+        Raises:
+            CollectiveTimeoutError: the group's timeout (or the call's) passed first.
+        """
+        self._sequence += 1
+        timeout = _seconds(getattr(opts, "timeout", None)) or self._timeout
+        if timeout is None or not _BARRIER_TIMEOUT:
+            mt.barrier(self._devices)
+            return self._completed
+        try:
+            mt.barrier(self._devices, timeout=timeout)
+        except mt.CollectiveTimeoutError as exc:  # in gloo's words, which torch's tests match
+            raise mt.CollectiveTimeoutError(f"barrier: Timed out waiting {int(timeout * 1000)} ms for every rank "
+                                            f"of the group: {exc}") from exc
         return self._completed
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> Work:
+        """``dist.all_gather_coalesced``: output list k gets rank k's inputs, all of them in one all-gather.
+
+        The inputs travel as one row of every rank's elements, so ranks whose inputs differ
+        in size raise ``CollectiveMismatchError`` on every rank (a check of the row's shape).
+        """
+        self._sequence += 1
+        with mt.collective_call("all_gather", self._devices):
+            dtype = inputs[0].dtype if inputs else None
+            for tensor in inputs:
+                _check_dense(tensor, "all_gather_coalesced")
+            _check_dtypes(inputs, dtype, "all_gather_coalesced")
+            if len(output_lists) != self.size():
+                raise ValueError(f"all_gather_coalesced: output_tensor_lists has {len(output_lists)} lists, but the "
+                                 f"group has {self.size()} ranks")
+            sizes = [tensor.numel() for tensor in inputs]
+            for outputs in output_lists:
+                _check_dtypes(outputs, dtype, "all_gather_coalesced", "output_tensor_lists")
+                if [output.numel() for output in outputs] != sizes:
+                    raise ValueError("all_gather_coalesced: each list of output_tensor_lists must hold tensors of "
+                                     f"the inputs' sizes {sizes}, got {[output.numel() for output in outputs]}")
+            flat = torch.cat([tensor.reshape(-1) for tensor in inputs]) if inputs else torch.empty(0)
+            handle = mt.all_gather(flat.reshape(1, -1), devices=self._devices)
+        outputs = [output for outputs in output_lists for output in outputs]
+        return self._work([handle], _split_into(outputs), output_lists)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """Gloo's ``monitored_barrier`` here: rank 0 names the ranks that did not arrive in time.
 
         Raises:
             RuntimeError: on rank 0, the ranks missing after `timeout` (all of them with
-                `wait_all_ranks`, else the first); a rank that arrived and waits for a
-                release that never comes gets ``CollectiveTimeoutError``.
+                `wait_all_ranks`, else the first); on a rank that arrived, rank 0 did not
+                release it in time (gloo's words, see `monitored_barrier`).
         """
-        monitored_barrier(self, timeout, wait_all_ranks, self._timeout)
+        monitored_barrier(self, self._monitor, timeout, wait_all_ranks, self._timeout)
 
     # -- point to point ---------------------------------------------------------------------
 
@@ -452,6 +535,15 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
             send_notice(dest, tag, exc)
             raise
         return self._work([mt.send(tensor, dest, tag=tag)], None, tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
+        """``dist.recv`` with no source: not supported yet (mpitensor receives from a named rank).
+
+        Raises:
+            NotImplementedError: always; pass ``src=``.
+        """
+        raise NotImplementedError("recv: the mpitensor backend receives from a named rank only; pass src= (the "
+                                  "sending rank) to dist.recv or dist.irecv")
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:  # noqa: N803 - torch's names
         """``dist.recv``/``irecv``: `tensors[0]` becomes what group rank `srcRank` sent (its elements, in order).
@@ -484,29 +576,14 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         """
         return mt.scan(np.zeros(1, np.uint8), mt.ReduceOperation.SUM, devices=self._devices)
 
-    def arrive(self, root: int) -> Any:
-        """A token to `root` (monitored_barrier's arrival); returns the send's handle."""
-        return mt.send(np.ones(1, np.uint8), self._global(root), tag=_ARRIVE_TAG)
+    def token(self, peer: int, release: bool) -> Any:
+        """A monitored_barrier token to group rank `peer` (an arrival, or rank 0's release); the send's handle."""
+        return mt.send(np.ones(1, np.uint8), self._global(peer), tag=_RELEASE_TAG if release else _ARRIVE_TAG)
 
-    def expect(self, source: int, release: bool = False) -> Any:
-        """The pending receipt of `source`'s token (an arrival, or the root's release).
-
-        A receipt an earlier monitored_barrier left posted (it failed before the token came)
-        is this one: it takes the next token, which this call's peer sends.
-        """
-        kept = self._tokens.pop((source, release), None)
-        if kept is not None:
-            return kept
+    def receipt(self, peer: int, release: bool) -> Any:
+        """The pending receipt of group rank `peer`'s next monitored_barrier token."""
         tag = _RELEASE_TAG if release else _ARRIVE_TAG
-        return mt.recv(None, self._global(source), shape=(1,), dtype=np.uint8, tag=tag)
-
-    def keep(self, source: int, receipt: Any, release: bool = False) -> None:
-        """Keep a posted receipt of `source`'s token that a failed monitored_barrier leaves, for the next."""
-        self._tokens[(source, release)] = receipt
-
-    def release(self, rank: int) -> Any:
-        """The root's release of `rank` from monitored_barrier; returns the send's handle."""
-        return mt.send(np.ones(1, np.uint8), self._global(rank), tag=_RELEASE_TAG)
+        return mt.recv(None, self._global(peer), shape=(1,), dtype=np.uint8, tag=tag)
 
 
 # -- argument checks and result writers -----------------------------------------------------
@@ -519,6 +596,15 @@ def _operation(opts: Any) -> tuple[mt.ReduceOperation, float | None]:
 # Why mpitensor cannot carry a dtype (None where it can), found once per dtype.
 _DTYPE_PROBLEMS: dict[torch.dtype, str | None] = {}
 _BITWISE = frozenset({mt.ReduceOperation.BAND, mt.ReduceOperation.BOR, mt.ReduceOperation.BXOR})
+# Whether mt.barrier takes a timeout of its own (a group's timeout), else it waits for the context's.
+_BARRIER_TIMEOUT = "timeout" in inspect.signature(mt.barrier).parameters
+
+
+def _seconds(timeout: Any) -> float | None:
+    """A torch option's timeout in seconds; None where it is unset (zero or negative)."""
+    if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+        return timeout.total_seconds()
+    return None
 
 
 def _check_dtype(dtype: torch.dtype, what: str) -> None:
@@ -539,7 +625,7 @@ def _check_dense(tensor: torch.Tensor, what: str, contiguous: bool = True) -> No
     if tensor.layout is not torch.strided:
         raise ValueError(f"{what}: the mpitensor backend takes dense tensors, got one with layout {tensor.layout}")
     if contiguous and not tensor.is_contiguous():
-        raise ValueError(f"{what}: tensors must be contiguous; pass tensor.contiguous()")
+        raise ValueError(f"{what}: Tensors must be contiguous (gloo's rule); pass tensor.contiguous()")
     _check_dtype(tensor.dtype, what)
 
 

@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from ._completer import Completer, HookFuture
+from ._unseen import unseen_by_dynamo
 
 __all__ = ["Work", "done_work", "finished_work", "waited"]
 
 
+@unseen_by_dynamo
 class Work(dist.Work):
     """The pending result of one torch collective on the ``mpitensor`` backend.
 
@@ -198,6 +200,7 @@ def finished_work(completer: Completer, outputs: Any = ()) -> Any:
     return _create_work_from_future(future)
 
 
+@unseen_by_dynamo
 class _Waited:
     """A torch work seen as a handle of `Work`: resolving it waits for the work, testing it polls."""
 

@@ -67,8 +67,9 @@ def _bad_and_good(world: mt.DistributedContext, case: str) -> tuple[Callable[[],
     n = world.size
     if case == "non-contiguous all_reduce":
         return lambda: dist.all_reduce(torch.zeros(4, 4).t()), lambda: dist.all_reduce(torch.zeros(4, 4))
-    if case == "sparse all_reduce":
-        return (lambda: dist.all_reduce(torch.zeros(4).to_sparse()), lambda: dist.all_reduce(torch.zeros(4)))
+    if case == "sparse all_reduce with MAX":
+        return (lambda: dist.all_reduce(torch.zeros(4).to_sparse(), op=dist.ReduceOp.MAX),
+                lambda: dist.all_reduce(torch.zeros(4)))
     if case == "all_gather list length":
         return (lambda: dist.all_gather([torch.zeros(2) for _ in range(n + 1)], torch.zeros(2)),
                 lambda: dist.all_gather([torch.zeros(2) for _ in range(n)], torch.zeros(2)))
@@ -86,7 +87,7 @@ def _bad_and_good(world: mt.DistributedContext, case: str) -> tuple[Callable[[],
 
 LOCAL_ERRORS = {
     "non-contiguous all_reduce": (ValueError, "contiguous", "all_reduce"),
-    "sparse all_reduce": (ValueError, "dense tensors", "all_reduce"),
+    "sparse all_reduce with MAX": (ValueError, "SUM only", "all_reduce"),
     "all_gather list length": (ValueError, "tensor_list has", "all_gather"),
     "all_to_all_single uneven rows": (ValueError, "do not split evenly", "all_to_all"),
     "broadcast of a dtype mpitensor cannot carry": (TypeError, "float8_e4m3fn", "broadcast"),
