@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -88,8 +87,7 @@ def all_to_all(
         return follow(_start_split(ctx, source, group, splits, out, protections), source.back)
     array = source.buffer
     problem, _ = blocks_or_problem(array.shape, group.size, "all_to_all")
-    with _released_on_error(protections):
-        received = output_buffer(ctx, out, array.shape, array.dtype, "all_to_all", (source.array, array))
+    received = output_buffer(ctx, out, array.shape, array.dtype, "all_to_all", (source.array, array))
     result = output_tensor(out, received, result_device(ctx, source))
     datatype = mpi_datatype(array.dtype)
 
@@ -109,13 +107,12 @@ def _start_split(ctx: DistributedContext, source: Input, group: Group, splits: A
                  protections: tuple[Any, ...]) -> CollectiveTensor:
     """`all_to_all` with splits: swap the counts, then ``MPI_Ialltoallv``."""
     array = source.buffer
-    with _released_on_error(protections):
-        rows = row_counts(splits, array.shape, group, "all_to_all", "splits")
-        assert rows is not None
-        rest = array.shape[1:]
-        if out is not None:  # everything but its length, which comes from the peers
-            lead = tuple(getattr(out, "shape", ()))[:1] or (0,)
-            output_buffer(ctx, out, (*lead, *rest), array.dtype, "all_to_all", (source.array, array))
+    rows = row_counts(splits, array.shape, group, "all_to_all", "splits")
+    assert rows is not None
+    rest = array.shape[1:]
+    if out is not None:  # everything but its length, which comes from the peers
+        lead = tuple(getattr(out, "shape", ()))[:1] or (0,)
+        output_buffer(ctx, out, (*lead, *rest), array.dtype, "all_to_all", (source.array, array))
     row = math.prod(rest)
     send_counts = [n * row for n in rows]
     send_displs = displacements(send_counts)
@@ -159,17 +156,6 @@ def _refuse_overlap(out: Any, source: Input) -> None:
             "(a block would be overwritten before it is sent): pass a separate array of the result's "
             "shape and dtype, such as numpy.empty_like(input), or no out= for a new one"
         )
-
-
-@contextmanager
-def _released_on_error(protections: tuple[Any, ...]) -> Iterator[None]:
-    """Lift the input's protections if the block raises: nothing was started, so the input must not stay read-only."""
-    try:
-        yield
-    except BaseException:
-        for protection in protections:
-            protection.release()
-        raise
 
 
 def _fitting(out: Any, shape: tuple[int, ...], failure: list[Exception]) -> np.ndarray | None:

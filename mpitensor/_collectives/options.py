@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core.protect import Protection
+from .._core.protect import Protection, claim
 from .._core.tensor import Tensor, wrap_array
 from .._runtime.check import OptionsRecord, Record
 from .._runtime.context import DistributedContext
@@ -87,13 +87,15 @@ def output_buffer(
         raise TypeError(f"{what}: out= has dtype {array.dtype}, but the result has dtype {dtype}")
     if array.shape != tuple(shape):
         raise ValueError(f"{what}: out= has shape {array.shape}, but the result has shape {tuple(shape)}")
+    # Before the writable check: an input in flight is read-only, which an out= over it would report.
+    for other in inputs:
+        if other is not None and np.may_share_memory(array, other):
+            raise ValueError(f"{what}: out= overlaps the input; pass a separate array of the result's shape and "
+                             "dtype, or no out= for a new one")
     if not array.flags.writeable:
         raise ValueError(f"{what}: out= is read-only (or in another collective still in flight)")
     if not array.flags.c_contiguous:
         raise ValueError(f"{what}: out= must be C-contiguous; pass a contiguous array (np.ascontiguousarray)")
-    for other in inputs:
-        if other is not None and np.may_share_memory(array, other):
-            raise ValueError(f"{what}: out= overlaps the input; pass a separate array")
     return array
 
 
@@ -116,7 +118,9 @@ def protect_output(op: Op, out: Any, array: np.ndarray) -> None:
     ``post``, after MPI has taken the buffer: MPI needs it writable.
     """
     if out is not None:
-        op.protections = (*op.protections, Protection(out if isinstance(out, Tensor) else None, array))
+        protection = Protection(out if isinstance(out, Tensor) else None, array)
+        claim((protection,))  # the op's, posted: lifted when it completes
+        op.protections = (*op.protections, protection)
 
 
 def reduction_outputs(

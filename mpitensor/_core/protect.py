@@ -17,9 +17,11 @@ import numpy as np
 from .pool import Lease, Private
 from .tensor import Tensor, tensors_in_flight
 
-__all__ = ["Protection", "foreign", "restorable"]
+__all__ = ["CallScope", "Protection", "claim", "foreign", "restorable"]
 
 _lock = threading.Lock()
+# The protections taken by the collective call this thread is in (`CallScope`), or None.
+_scope = threading.local()
 # id(array) -> [array, count, was_writeable]; the array is held so its id stays unique.
 _locked: dict[int, list[Any]] = {}
 
@@ -66,15 +68,23 @@ def foreign(array: np.ndarray) -> bool:
 
 
 class Protection:
-    """Protects one input (a Tensor or an array) until `release()` is called."""
+    """Protects one input (a Tensor or an array) until `release()` is called.
 
-    __slots__ = ("_array", "_tensor")
+    One taken inside a collective call (`CallScope`) belongs to that call until an op holds it
+    (`claim`): if the call fails first, the call's scope lifts it.
+    """
+
+    __slots__ = ("_array", "_tensor", "claimed")
 
     def __init__(self, tensor: Tensor | None, array: Any) -> None:
         self._tensor = tensor
         self._array = array = array if isinstance(array, np.ndarray) else None
+        self.claimed = False
         if tensor is None and array is None:
             return
+        taken = getattr(_scope, "taken", None)
+        if taken is not None:
+            taken.append(self)
         with _lock:
             if tensor is not None:
                 key = id(tensor)
@@ -117,3 +127,38 @@ class Protection:
                     del _locked[key]
                     if entry[2]:
                         array.flags.writeable = True
+
+
+class CallScope:
+    """The protections one collective call takes before an op holds them, lifted if the call fails first.
+
+    A call protects its input (`Input.guard`) before it has built and submitted its op;
+    an error in between (a bad `out=`, bad splits, a mismatch raised by an earlier step)
+    would leave the input read-only for good. The collectives' entry opens a scope around
+    each call: `fail()` lifts what no op claimed (the engine claims an op's protections
+    when it submits it, and lifts them itself when the op completes or fails).
+    """
+
+    __slots__ = ("previous", "taken")
+
+    def __init__(self) -> None:
+        self.previous = getattr(_scope, "taken", None)
+        self.taken: list[Protection] = []
+        _scope.taken = self.taken
+
+    def close(self) -> None:
+        """End the scope (the call returned or raised; idempotent)."""
+        _scope.taken = self.previous
+
+    def fail(self) -> None:
+        """The call failed: lift the protections it took that no op claimed, then end the scope."""
+        self.close()
+        for protection in self.taken:
+            if not protection.claimed:
+                protection.release()
+
+
+def claim(protections: tuple[Protection, ...]) -> None:
+    """Mark `protections` as an op's: the op's completion lifts them, not its call's failure."""
+    for protection in protections:
+        protection.claimed = True

@@ -29,6 +29,7 @@ import numpy as np
 
 from .._core.errors import CollectiveTimeoutError, ContextBrokenError, ThreadMisuseError
 from .._core.mpi import MPI
+from .._core.protect import claim
 from .._core.records import EngineRecord, GroupRecord, OpRecord
 from .._transport.base import Stepper
 from .._transport.inline import CARRIED, HEADER_BYTES, INLINE_RANKS, PAYLOAD_BYTES, ROW_BYTES
@@ -313,6 +314,8 @@ class Engine(EngineRecord):
             raise self.reentered(op.name)
         if self.tracer is not None:
             op.trace = self.tracer.begin(op)
+        if op.protections:
+            claim(op.protections)  # the op's now: its completion lifts them, not its call's failure
         group = op.group
         lock = self.lock
         # acquire/release rather than `with`: half the cost, on the path of every call.

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from .._core.errors import DeviceError, MpitensorError, NotAMemberError, ThreadMisuseError, TracedArrayError
 from .._core.mpi import MPI
+from .._core.protect import CallScope
 from .._core.state import open_contexts
 from .check import Record
 from .ordering import is_delegated, wait_for_compiled
@@ -57,14 +58,18 @@ def collective_entry(kind: str) -> Callable[[F], F]:
             ctx = open_contexts[-1]
             engine = _enter(ctx, kind)
             posted = engine.checks_posted
+            scope = CallScope()
             try:
                 return function(*args, **kwargs)
             except Exception as exc:
+                scope.fail()
                 devices = kwargs["devices"] if "devices" in kwargs else (
                     args[position] if len(args) > position else None
                 )
                 _failed(ctx, kind, devices, posted, exc)
                 raise
+            finally:
+                scope.close()
 
         return entry  # type: ignore[return-value]
 
@@ -98,24 +103,32 @@ class collective_call:  # noqa: N801 - used as a statement, like a function
         ThreadMisuseError: entered from another thread than the one that opened the context.
     """
 
-    __slots__ = ("ctx", "devices", "kind", "posted")
+    __slots__ = ("ctx", "devices", "kind", "posted", "scope")
 
     def __init__(self, kind: str, devices: Any = None) -> None:
         self.kind = kind
         self.devices = devices
         self.ctx: Any = None
         self.posted = 0
+        self.scope: CallScope | None = None
 
     def __enter__(self) -> collective_call:
         if open_contexts:
             self.ctx = open_contexts[-1]
             # The collectives inside wait for the compiled programs before them themselves.
             self.posted = _enter(self.ctx, self.kind, wait=False).checks_posted
+            self.scope = CallScope()
         return self
 
     def __exit__(self, kind: Any, exc: BaseException | None, traceback: Any) -> bool:
-        if exc is not None and self.ctx is not None and isinstance(exc, Exception):
+        scope = self.scope
+        if scope is None:
+            return False
+        if exc is not None and isinstance(exc, Exception):
+            scope.fail()
             _failed(self.ctx, self.kind, self.devices, self.posted, exc)
+        else:
+            scope.close()
         return False
 
 

@@ -4,7 +4,10 @@ Each example draws, for every rank, a collective, a shape, a dtype, a reduce op 
 bad argument. Ranks that all call the same thing must get NumPy's answer; otherwise every
 rank must get an `MpitensorError` (the rank whose own argument was bad: its `TypeError` or
 `ValueError`), never a hang, a raw MPI error or a wrong value, and the next collective must
-work. Every rank derives every rank's choices from the example's seed.
+work. A rank that calls a group's collective though the group leaves it out ("not my group":
+its peers call it on that group, which they are the members of) gets its `ValueError`, and
+the members the group's result, untouched by it. Every rank derives every rank's choices
+from the example's seed.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ def _choices(seed: int, size: int) -> list[dict]:
     """Every rank's call: mostly the same, sometimes one rank differs in one thing."""
     rng = np.random.default_rng(seed)
     usual = {"kind": KINDS[rng.integers(len(KINDS))], "dtype": DTYPES[rng.integers(len(DTYPES))],
-             "shape": SHAPES[rng.integers(len(SHAPES))], "op": OPS[rng.integers(len(OPS))], "bad": None}
+             "shape": SHAPES[rng.integers(len(SHAPES))], "op": OPS[rng.integers(len(OPS))], "bad": None,
+             "group": None}
     calls = [dict(usual) for _ in range(size)]
     if size > 1 and rng.random() < 0.7:
         odd = calls[int(rng.integers(size))]
@@ -43,6 +47,10 @@ def _choices(seed: int, size: int) -> list[dict]:
             odd["bad"] = "object dtype"
         if odd["bad"] == "object dtype" and odd["kind"] == "barrier":
             odd["bad"] = "not my group"
+        if odd["bad"] == "not my group":  # every rank calls the group that leaves the odd rank out
+            outside = calls.index(odd)
+            for call in calls:
+                call["group"] = [r for r in range(size) if r != outside]
     return calls
 
 
@@ -59,21 +67,26 @@ def _run(call: dict, data: np.ndarray, size: int):
         data = data.astype(object)
     if bad == "unknown op":
         op = "no-such-op"
-    devices = [r for r in range(size) if r != mt.current_context().rank] if bad == "not my group" else None
+    devices = call["group"]
+    root = 0 if devices is None else devices[0]
     if kind == "all_reduce":
         return mt.all_reduce(data, op, devices=devices)
     if kind == "fused":
         return mt.all_reduce([data, data], op, devices=devices)
     if kind == "broadcast":
-        return mt.broadcast(data, root=0, devices=devices)
+        return mt.broadcast(data, root=root, devices=devices)
     if kind == "reduce":
-        return mt.reduce(data, op, root=0, devices=devices)
+        return mt.reduce(data, op, root=root, devices=devices)
     if kind == "all_gather":
         return mt.all_gather(data, devices=devices)
     return mt.barrier(devices=devices)
 
 
 def _expected(call: dict, inputs: list[np.ndarray], rank: int):
+    group = call["group"]
+    if group is not None:  # the group's result, from its members' inputs; its root: its first member
+        inputs = [inputs[r] for r in group]
+        rank = group.index(rank)
     kind = call["kind"]
     if kind in ("all_reduce", "reduce"):
         value = reference(call["op"], inputs)
@@ -114,7 +127,9 @@ def test_every_rank_gets_the_right_result_or_an_error(module_ctx, seed):
         error = None
     except Exception as exc:
         got, error = None, exc
-    agreed = len({_signature(c) for c in calls}) == 1 and mine["bad"] is None
+    members = [c for r, c in enumerate(calls) if c["group"] is None or r in c["group"]]
+    inside = mine["group"] is None or ctx.rank in mine["group"]
+    agreed = inside and len({_signature(c) for c in members}) == 1 and mine["bad"] is None
     if agreed:
         assert error is None, f"every rank called {mine}, yet this rank got {error!r}"
         if isinstance(got, list):

@@ -18,11 +18,13 @@ Two kinds of call have one, when their lane's plan allows it (`compiled_lane`):
   check's row, the rows reduced at the call when they all agree (C loops that do what
   NumPy's ufuncs do, in the same order: the same bits as the Python lane's reduction).
 
-A third, `compiled_held_lane`, takes `all_reduce_held`'s repeated checked calls (groups of
-2-8 ranks, any size): when the check agrees within the spin, MPI's blocking all-reduce from
-the caller's input into the caller's buffer (or in place), the GIL released, in the same C call.
-`compiled_held_data_lane` does the same for the held broadcast, all-gather, all-to-all, gather
-and reduce (`held.py`) with MPI's blocking call.
+A third, `compiled_held_lane`, takes held all-reduces' repeated checked calls (``held=True``;
+groups of 2-8 ranks, any size): when the check agrees within the spin, MPI's blocking
+all-reduce from the caller's input into the caller's buffer (or in place), the GIL released,
+in the same C call. `compiled_held_data_lane` does the same for the held broadcast, all-gather,
+all-to-all, gather and reduce (`held.py`) with MPI's blocking call. Every one is a plan the
+Python side built and keeps in the context's plan cache (`plans.py`); the C code touches the
+runtime's objects through their records only (`_core/records.py`).
 
 MEAN's division is compiled for float32 and float64; other MEAN lanes stay Python. A Python
 number, NumPy scalar or CPU torch tensor takes the compiled lane of the array
@@ -31,8 +33,8 @@ own kind (a `Convert` on the handle, which the compiled resolve settles as the P
 
 The C code calls MPI without MPI's headers (one build serves Open MPI, MPICH and their
 kin): it finds ``MPI_Iallreduce``, ``MPI_Iallgather``, ``MPI_Test``, ``MPI_Wait``, ``MPI_Allreduce``,
-``MPI_Allgather``, ``MPI_Bcast``, ``MPI_Alltoall``, ``MPI_Gather``, ``MPI_Reduce`` and ``MPI_Comm_rank`` in the
-library mpi4py loaded, reads handles out of mpi4py's objects through mpi4py's C API, and
+``MPI_Allgather``, ``MPI_Bcast``, ``MPI_Alltoall``, ``MPI_Gather``, ``MPI_Reduce``, ``MPI_Comm_rank`` and
+``MPI_Comm_size`` in the library mpi4py loaded, reads handles out of mpi4py's objects through mpi4py's C API, and
 casts each call to the handle kind `_core.mpi.pointer_handles` reports. Where the module
 was not built (no compiler when installed), cannot bind, or ``MPITENSOR_NATIVE=0`` is set,
 the Python lanes take every call: `status()` says which.
@@ -309,7 +311,7 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
 
 
 def compiled_held_lane(ctx: Any, group: Any, op: Any, array: np.ndarray, plan: Any, record: Any, into: bool) -> Any:
-    """The compiled lane of `all_reduce_held`'s calls of one kind, or None.
+    """The compiled lane of held all-reduces (``held=True``) of one kind, or None.
 
     Args:
         ctx: the context.
