@@ -29,16 +29,16 @@ from .._core.errors import (
     ContextClosedError,
     DeviceError,
     ForkedProcessError,
-    NotAMemberError,
 )
 from .._core.mpi import MPI
 from .._core.pool import HostPool
 from .._core.records import ContextRecord
 from . import failfast as _failfast
-from .check import CLOSE_KIND, Record
+from .check import CLOSE_KIND, Members, Record
 from .diagnosis import Diagnosis
 from .engine import OVERSUBSCRIBED_SPIN_PAUSES, SPIN_PAUSES, Engine, Group
 from .progress import ProgressThread
+from .resolve import GroupResolver
 from .tracing.exchange import gatherer
 from .tracing.session import TraceSession
 from .tracing.stragglers import TraceSummary
@@ -273,7 +273,8 @@ class DistributedContext(ContextRecord):
     def _open_groups(self, comm: Any) -> None:
         """The whole context's group, the point-to-point group and the diagnosis communicator."""
         self.diag_comm = comm.Dup()
-        full = tuple(range(self._size))
+        full = Members(range(self._size))
+        self.resolver = GroupResolver(self._devices, self._rank)
         self.full_group = Group(full, comm.Dup(), comm.Dup(), comm.Dup())
         self.groups[full] = self.full_group
         # Point-to-point messages travel apart from collectives and never queue behind them.
@@ -529,6 +530,7 @@ class DistributedContext(ContextRecord):
         return comms
 
     def _free(self) -> None:
+        self.resolver.forget()
         if self.diagnosis is not None:
             self.diagnosis.free()
         self.p2p_group.free()
@@ -586,6 +588,9 @@ class DistributedContext(ContextRecord):
     def group(self, devices: DevicesArg, doing: str = "a collective") -> Group:
         """The group `devices` name (the whole context when None), created on first use (internal).
 
+        The same argument on every call (a list kept by the program, a tuple) resolves in
+        constant time after its first use (see `GroupResolver`).
+
         Args:
             devices: devices (from ``ctx.devices``) or their ranks; None for every rank.
             doing: the calling operation, for the group-mismatch diagnosis.
@@ -600,41 +605,11 @@ class DistributedContext(ContextRecord):
         """
         if devices is None:
             return self.full_group
-        members = self._members(devices)
+        members = self.resolver.members(devices)
         group = self.groups.get(members)
         if group is None:
             group = self._create_group(members, doing)
         return group
-
-    def _members(self, devices: DevicesArg) -> tuple[int, ...]:
-        if isinstance(devices, (Device, int, str)) or not isinstance(devices, Sequence):
-            raise TypeError(
-                "devices must be a list of mpitensor.Device (from ctx.devices) or of ranks, "
-                f"or None for every rank; got {type(devices).__name__}"
-            )
-        ranks = []
-        for item in devices:
-            if isinstance(item, Device):
-                ranks.append(self.rank_of_device(item))
-            else:
-                try:
-                    rank = operator.index(item)
-                except TypeError:
-                    raise TypeError(f"devices must hold Devices or int ranks, got {type(item).__name__}") from None
-                if not 0 <= rank < self._size:
-                    raise ValueError(f"rank {rank} is out of range for a context of {self._size} ranks")
-                ranks.append(rank)
-        if not ranks:
-            raise ValueError("devices is empty: a collective needs at least one rank")
-        members = tuple(sorted(set(ranks)))
-        if len(members) != len(ranks):
-            raise ValueError(f"devices names a rank twice: {sorted(ranks)}")
-        if self._rank not in members:
-            raise NotAMemberError(
-                f"this rank ({self._rank}) is not in the group {list(members)}: only the "
-                "members of a group call its collectives"
-            )
-        return members
 
     def rank_of_device(self, device: Device) -> int:
         """`device`'s rank in the context (internal).
@@ -642,16 +617,9 @@ class DistributedContext(ContextRecord):
         Raises:
             DeviceError: `device` is not one of the context's devices.
         """
-        if device.rank is not None:
-            for rank, candidate in enumerate(self._devices):
-                if candidate == device:
-                    return rank
-        raise DeviceError(
-            f"device {device} is not in this context (its devices are "
-            f"{', '.join(str(d) for d in self._devices)}); pass devices from ctx.devices"
-        )
+        return self.resolver.rank_of(device)
 
-    def _create_group(self, members: tuple[int, ...], doing: str) -> Group:
+    def _create_group(self, members: Members, doing: str) -> Group:
         if self.diagnosis is not None:
             self.diagnosis.before_create(members, doing)
         mpi_group = self._comm.Get_group().Incl(list(members))
