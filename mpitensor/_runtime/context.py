@@ -36,7 +36,7 @@ from .._core.records import ContextRecord
 from . import failfast as _failfast
 from .check import CLOSE_KIND, Members, Record
 from .diagnosis import Diagnosis
-from .engine import OVERSUBSCRIBED_SPIN_PAUSES, SPIN_PAUSES, Engine, Group
+from .engine import COMPLETE, OVERSUBSCRIBED_SPIN_PAUSES, SPIN_PAUSES, Engine, Group
 from .progress import ProgressThread
 from .resolve import GroupResolver
 from .tracing.exchange import gatherer
@@ -384,6 +384,8 @@ class DistributedContext(ContextRecord):
         if self._broken is None:
             self.engine.drain(self.timeout)
             together = self._say_goodbye() if self._size > 1 else True
+            if together and self.diagnosis is not None:
+                self.diagnosis.finish()  # every rank closes: the diagnosis's rounds end paired
         # A broken context keeps its communicators (a collective stuck on them is still in
         # flight), but its progress thread has nothing left to do.
         self._stop_progress()
@@ -449,7 +451,10 @@ class DistributedContext(ContextRecord):
         the grace complete the exchange at this rank's next MPI call (the engine is kept).
         """
         try:
-            self.engine.see_stand_in_through(self._post_goodbye(), self.config.check_grace)
+            goodbye = self._post_goodbye()
+            self.engine.see_stand_in_through(goodbye, self.config.check_grace)
+            if goodbye.state == COMPLETE and self.diagnosis is not None:
+                self.diagnosis.finish()  # every rank closed with it: the diagnosis's rounds end paired
         except Exception:  # already leaving on an exception: that one is what the program sees
             return
 

@@ -5,96 +5,129 @@ Ranks that disagree on the group never meet: each waits on its own communicator 
 other, forever. This module finds that case and turns it into the same
 `CollectiveMismatchError` on every rank, with the context left usable.
 
-How: a rank that has waited in a blocking call (``resolve``, ``barrier``, ``close``) for
-`DIAG_AFTER` seconds on a check that has not completed sends a small BLOCKED note (which
-group, which check in that group's sequence, and how many checks it has posted on each of
-its groups) to the members of that group, over the context's own diagnosis communicator.
-A blocked rank that holds a note from a peer it waits for, and sees that the peer waits for
-it on another group (the peer needs a check this rank has not posted, and this rank needs
-one the peer has not posted), knows both are stuck for good: it *fills in* the peer's wait
-with an abandon record, a check that says where this rank is stuck instead. That check
-completes everywhere as a mismatch; every rank that receives an abandon record fills in the
-abandoning rank's wait in turn (the record says exactly which). So every rank involved
-raises, and every group's sequence of checks stays aligned for the collectives that follow.
-Notes are acted on only while their sender is provably still stuck (it needs a check this
-rank has not posted), so a rank that is merely slow is never accused.
+How: a rank that has waited in a blocking call (``resolve``, ``barrier``, ``close``, a
+group's creation) for `DIAG_AFTER` seconds joins the next *round* (`rounds.Round`): MPI's
+non-blocking all-reduce, on the context's own diagnosis communicator, of where every rank
+is stuck (which group, which check in that group's sequence) and how far each is in the
+groups of those waits. A round completes once every rank of the context has joined it;
+then every rank holds the same picture of who waits for whom, and each looks for a chain of
+*provable* waits from itself back to a peer that waits for it (each link a rank that needs
+a check the next has not posted; see `Picture.cycles_through`). Finding one, it *fills in*
+that peer's wait with an abandon record, a check that says where this rank is stuck
+instead. That check completes everywhere as a mismatch; every rank that receives an abandon
+record fills in the abandoning rank's wait in turn (the record says exactly which), and in
+a cycle its predecessor's too. So every rank of the cycle raises, and every group's
+sequence of checks stays aligned for the collectives that follow.
 
-First use of a sub-group needs ``MPI_Comm_create_group``, which blocks inside MPI; so
-members first exchange HELLO notes (each creation attempt numbered), under the same
-diagnosis, and an abandon travels as a HELLO that says where its sender is stuck.
+What it costs: nothing while no rank waits long. A rank merely late for a collective makes
+each of its peers post one round's first exchange (O(log P) messages per rank, and one
+pending request) and nothing more until it joins; the round then ends, at its next long
+wait or at close. A rank joins a round at most every `ROUND_PAUSE` seconds. Where a rank
+never waits in mpitensor (it computes, or blocks in the program's own MPI calls), rounds
+wait for it: the cycle is named once it waits, and the context's timeout bounds the rest.
+
+First use of a sub-group needs ``MPI_Comm_create_group``, which blocks inside MPI; so its
+members first meet in a non-blocking tree (`arrival.Arrivals`), under the same diagnosis,
+where a member stuck elsewhere stands in with an abandon.
+
+At close (every rank closing together, the close check passed), `finish` joins rounds until
+one that every rank joined closing, so that no round is left in flight, and waits for the
+trees this rank took part in: every note a rank is sent is received.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from .._core.errors import CollectiveMismatchError, CollectiveTimeoutError
 from .._core.mpi import MPI
-from .check import AbandonRecord, Wait, Waiting, cycle_text
+from .arrival import DOWN, UP, Arrivals
+from .check import AbandonRecord, Members, Wait, Waiting, cycle_text
 from .engine import CHECKING, QUEUED, Backoff, Op
+from .rounds import Picture, Round, Snapshot
 
-__all__ = ["DIAG_AFTER", "Diagnosis", "Wait"]  # Wait: re-exported from check
+__all__ = ["DIAG_AFTER", "ROUND_PAUSE", "Diagnosis", "Wait"]  # Wait: re-exported from check
 
-DIAG_AFTER = 0.5  # seconds blocked before a rank tells its peers what it waits on
-_BLOCKED, _HELLO = 11, 12
+DIAG_AFTER = 0.5  # seconds blocked before a rank joins a round of the diagnosis
+ROUND_PAUSE = 0.5  # seconds from the end of one of a rank's rounds before it joins another
+_FINISH_AT_LEAST = 1.0  # seconds finish() waits for the last rounds, at least (else check_grace)
+
+
+def _members(members: tuple[int, ...]) -> Members:
+    return members if isinstance(members, Members) else Members(members)
 
 
 class Diagnosis:
     """The group-mismatch diagnosis of one context.
 
     Args:
-        ctx: the context; its ``diag_comm`` carries the notes.
+        ctx: the context; its ``diag_comm`` carries the rounds and the creation trees.
     """
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
         self.comm = ctx.diag_comm
         self.me = ctx.rank
-        self.notes: dict[int, dict[str, Any]] = {}  # peer -> its latest BLOCKED note
-        self.hellos: dict[tuple[tuple[int, ...], int], dict[int, dict[str, Any] | None]] = {}
         self.attempts: dict[tuple[int, ...], int] = {}  # sub-group creations attempted
-        self.reported: set[tuple[Any, ...]] = set()
         self.cycle: list[tuple[int, dict[str, Any]]] = []  # the last wait cycle found
         self.filled: set[Wait] = set()
         self.sends: list[Any] = []
+        self.arrivals = Arrivals(self.comm, self.me, self._send)
+        self.round: Round | None = None  # the round this rank has joined, until it is done
+        self.last_round: Round | None = None
+        self.rounds = 0  # rounds joined
+        self._round_ended = -ROUND_PAUSE
+        # resolve() may wait on several threads at once; one at a time takes the diagnosis's
+        # steps, which post MPI collectives and must not be posted twice.
+        self._lock = threading.Lock()
 
-    # -- notes on the wire -------------------------------------------------------------------
+    # -- notes and rounds on the wire -------------------------------------------------------
 
-    def _send(self, dest: int, tag: int, note: dict[str, Any]) -> None:
+    def _send(self, dest: int, tag: int, note: Any) -> None:
         self.sends.append(self.comm.isend(note, dest, tag))
 
     def _drain(self) -> None:
+        """Receive the creation trees' notes that came, and take their steps."""
         status = MPI.Status()
         while self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
             source, tag = status.Get_source(), status.Get_tag()
             note = self.comm.recv(source=source, tag=tag)
-            if tag == _BLOCKED:
-                self.notes[source] = note
-            elif tag == _HELLO:
-                key = (tuple(note["members"]), int(note["attempt"]))
-                self.hellos.setdefault(key, {})[source] = note.get("abandon")
+            if tag in (UP, DOWN):
+                self.arrivals.receive(tag, source, note)
+        self.arrivals.advance()
         self.sends = [request for request in self.sends if not request.Test()]
 
-    def _report(self, wait: Wait) -> None:
-        """Tell every other rank where this rank is stuck (once per wait and state).
-
-        Every rank, not only the group's members: a wait cycle through several groups
-        (0 waits for 1, 1 for 2, 2 for 0) is seen only by combining every rank's wait.
-        The note is sent again when what this rank has posted changes (after a fill).
-        """
-        posted = {members: group.check_seq for members, group in self.ctx.groups.items()}
-        key = (wait, tuple(sorted(posted.items())), tuple(sorted(self.attempts.items())))
-        if key in self.reported:
+    def _step_round(self, current: Wait | None) -> None:
+        """Take the round's next step; once it is done, act on its picture if still stuck in `current`."""
+        if self.round is None or not self.round.step():
             return
-        self.reported.add(key)
-        note = wait.as_note()
-        note["posted"] = posted
-        note["attempts"] = dict(self.attempts)
-        for rank in range(self.ctx.size):
-            if rank != self.me:
-                self._send(rank, _BLOCKED, note)
+        done, self.round = self.round, None
+        self.last_round = done
+        self._round_ended = time.monotonic()
+        if done.picture is not None and current is not None and done.snapshot.wait == current:
+            self._settle(done.picture, current)
+
+    def _join(self, mine: Wait) -> None:
+        """Join the next round as stuck in `mine`, unless one is in flight or this rank's last ended just now."""
+        if self.round is None and time.monotonic() - self._round_ended >= ROUND_PAUSE:
+            self.round = Round(self.comm, self._snapshot(mine))
+            self.rounds += 1
+
+    def _snapshot(self, mine: Wait | None) -> Snapshot:
+        """This rank's wait and how far it is in every group, at this moment."""
+        groups = self.ctx.groups
+        snapshot = Snapshot(mine, {_members(members).id: group.check_seq for members, group in groups.items()})
+        for members, attempts in self.attempts.items():
+            key = _members(members)
+            snapshot.attempts[key.id] = attempts
+            snapshot.known[key.id] = key
+        if mine is not None and mine.creating:
+            key = _members(mine.members)
+            snapshot.known[key.id] = key
+        return snapshot
 
     # -- who waits for whom -----------------------------------------------------------------------
 
@@ -105,63 +138,15 @@ class Diagnosis:
         group = self.ctx.groups.get(wait.members)
         return group is not None and group.check_seq > wait.seq
 
-    def _peer_has_posted(self, peer: int, note: dict[str, Any], wait: Wait) -> bool:
-        """True if `peer` (whose latest note is `note`) has done its part of `wait`."""
-        if wait.creating:
-            heard = self.hellos.get((wait.members, wait.seq), {})
-            if peer in heard:
-                return heard[peer] is None  # an abandon HELLO means "not coming"
-            if Wait.from_note(note) == wait:
-                return True  # it is creating the same group
-            return int(note.get("attempts", {}).get(wait.members, 0)) > wait.seq
-        return int(note["posted"].get(wait.members, 0)) > wait.seq
-
-    def _waits_for(self, wait: Wait, other: int) -> bool:
-        """True if a rank stuck in `wait` provably waits for rank `other` (blocked too)."""
-        if other not in wait.members:
-            return False
-        if other == self.me:
-            return not self._has_posted(wait)
-        note = self.notes.get(other)
-        return note is not None and not self._peer_has_posted(other, note, wait)
-
-    def _cycle(self, mine: Wait, peer: int) -> list[int] | None:
-        """A chain of provable waits from this rank to `peer`, or None.
-
-        Provable because it is checked backwards from a peer that waits for this rank:
-        that peer cannot move, so the rank waiting for it cannot either, and so on back
-        to this rank. A merely slow rank sends no note, so no chain runs through it.
-        """
-        waits = {rank: Wait.from_note(note) for rank, note in self.notes.items()}
-        waits[self.me] = mine
-        paths = {self.me: [self.me]}
-        frontier = [self.me]
-        while frontier:
-            rank = frontier.pop()
-            for other in waits[rank].members:
-                if other in paths or other not in waits or not self._waits_for(waits[rank], other):
-                    continue
-                paths[other] = [*paths[rank], other]
-                if other == peer:
-                    return paths[other]
-                frontier.append(other)
-        return None
-
-    def _settle(self, mine: Wait) -> None:
+    def _settle(self, picture: Picture, mine: Wait) -> None:
         """Fill in the wait of every peer that waits for this rank while this rank waits for it.
 
         "Waits for it" may go through other ranks: 0 waits for 1, 1 for 2, 2 for 0.
         """
-        for peer, note in list(self.notes.items()):
-            theirs = Wait.from_note(note)
-            if self.me not in theirs.members or self._has_posted(theirs):
-                continue  # that peer does not wait for this rank
-            chain = self._cycle(mine, peer)
-            if chain is not None:
-                waits = {rank: Wait.from_note(n) for rank, n in self.notes.items()}
-                waits[self.me] = mine
-                self.cycle = [(rank, waits[rank].as_note()) for rank in chain]
-                self._fill(theirs, mine)
+        for chain in picture.cycles_through(self.me):
+            theirs = picture.wait_of(chain[-1])
+            self.cycle = [(rank, picture.wait_of(rank).as_note()) for rank in chain]
+            self._fill(theirs, mine)
 
     def _fill(self, theirs: Wait, mine: Wait) -> None:
         """Stand in, with an abandon, for this rank's part of a peer's wait `theirs`."""
@@ -169,11 +154,11 @@ class Diagnosis:
             return
         self.filled.add(theirs)
         if theirs.creating:
-            for member in theirs.members:
-                if member != self.me:
-                    self._send(member, _HELLO, {"members": theirs.members, "attempt": theirs.seq,
-                                                "abandon": {**mine.as_note(), "cycle": self.cycle}})
-            self.attempts[theirs.members] = theirs.seq + 1
+            members = _members(theirs.members)
+            node = self.arrivals.node(members, theirs.seq)
+            node.take_part({**mine.as_note(), "cycle": self.cycle}, self.me)
+            self.attempts[members] = theirs.seq + 1
+            self.arrivals.advance()
             return
         group = self.ctx.groups[theirs.members]
         while group.check_seq <= theirs.seq:
@@ -224,15 +209,22 @@ class Diagnosis:
 
     def on_wait(self, op: Op | None, waited: float) -> None:
         """Called while this rank blocks; `waited` is how long it has so far."""
-        if waited < DIAG_AFTER:
+        if waited < DIAG_AFTER and self.round is None and not self.arrivals.open:
             return
-        self._drain()
-        target = self._target(op)
-        if target is None:
-            return
-        mine = Wait(target.group.members, target.seq, False, target.name)
-        self._report(mine)
-        self._settle(mine)
+        if not self._lock.acquire(blocking=False):
+            return  # another thread is taking the diagnosis's steps
+        try:
+            self._drain()
+            mine = None
+            if waited >= DIAG_AFTER:
+                target = self._target(op)
+                if target is not None:
+                    mine = Wait(target.group.members, target.seq, False, target.name)
+            self._step_round(mine)
+            if mine is not None:
+                self._join(mine)
+        finally:
+            self._lock.release()
 
     def before_create(self, members: tuple[int, ...], doing: str = "a collective") -> None:
         """Make sure every member is creating this group before ``MPI_Comm_create_group``.
@@ -241,35 +233,17 @@ class Diagnosis:
             CollectiveMismatchError: a member is stuck in a collective on another group.
             CollectiveTimeoutError: the context's timeout passed (the context is broken).
         """
-        attempt = self.attempts.get(members, 0)
+        members = _members(members)
+        with self._lock:
+            attempt = self.attempts.get(members, 0)
+            node = self.arrivals.node(members, attempt)
+            node.take_part(None, self.me)
+            self.arrivals.advance()
         mine = Wait(members, attempt, True, doing)
-        others = [m for m in members if m != self.me]
-        for member in others:
-            self._send(member, _HELLO, {"members": members, "attempt": attempt, "abandon": None})
         start = time.monotonic()
         timeout = self.ctx.timeout
         backoff = Backoff(self.ctx.engine.spin_pauses)
-        while True:
-            self._drain()
-            heard = self.hellos.get((members, attempt), {})
-            abandoned = {peer: why for peer, why in heard.items() if why is not None}
-            if abandoned:
-                self.attempts[members] = attempt + 1
-                self.hellos.pop((members, attempt), None)
-                for why in abandoned.values():
-                    theirs = Wait.from_note(why)
-                    if self.me in theirs.members:
-                        self._fill(theirs, mine)
-                    self._fill_predecessor(why.get("cycle", ()), mine)
-                peer, why = sorted(abandoned.items())[0]
-                raise CollectiveMismatchError(
-                    f"Mismatched groups: this rank ({self.me}) called {doing} on group {list(members)}, "
-                    f"but rank {peer} is in {why['kind']} on group {list(why['members'])}; every member "
-                    "of a group must call its collectives in the same order"
-                    + (f"\n{cycle_text(why['cycle'])}" if why.get("cycle") else "")
-                )
-            if all(member in heard for member in others):
-                break
+        while node.outcome is None:
             waited = time.monotonic() - start
             if timeout is not None and waited >= timeout:
                 message = (
@@ -278,16 +252,66 @@ class Diagnosis:
                 )
                 self.ctx.mark_broken(message)
                 raise CollectiveTimeoutError(message)
-            if waited >= DIAG_AFTER:
-                self._report(mine)
-                self._settle(mine)
-            self.ctx.engine.progress()
-            backoff.pause()
+            with self._lock:
+                self._drain()
+                if waited >= DIAG_AFTER:
+                    self._step_round(mine)
+                    self._join(mine)
+                else:
+                    self._step_round(None)
+            if node.outcome is None:
+                self.ctx.engine.progress()
+                backoff.pause()
         self.attempts[members] = attempt + 1
-        self.hellos.pop((members, attempt), None)
+        if node.outcome:
+            self._creation_abandoned(mine, node.outcome)
+
+    def _creation_abandoned(self, mine: Wait, abandoned: list[tuple[int, dict[str, Any]]]) -> None:
+        """Members stood in for this creation: fill in what they wait on, then raise.
+
+        Raises:
+            CollectiveMismatchError: always, naming the lowest abandoning member.
+        """
+        with self._lock:
+            for _, why in abandoned:
+                theirs = Wait.from_note(why)
+                if self.me in theirs.members:
+                    self._fill(theirs, mine)
+                self._fill_predecessor(why.get("cycle", ()), mine)
+        peer, why = min(abandoned, key=lambda entry: entry[0])
+        raise CollectiveMismatchError(
+            f"Mismatched groups: this rank ({self.me}) called {mine.doing} on group {list(mine.members)}, "
+            f"but rank {peer} is in {why['kind']} on group {list(why['members'])}; every member "
+            "of a group must call its collectives in the same order"
+            + (f"\n{cycle_text(why['cycle'])}" if why.get("cycle") else "")
+        )
+
+    def finish(self) -> None:
+        """Leave nothing in flight: called by every rank as the context closes together.
+
+        Joins rounds, as closing, until one that every rank joined closing (the ranks'
+        rounds then end paired), and waits for the creation trees this rank took part in.
+        Gives up after ``check_grace`` (at least 1 s): a rank that left without closing
+        never joins, and its requests are let go.
+        """
+        deadline = time.monotonic() + max(_FINISH_AT_LEAST, self.ctx.config.check_grace)
+        backoff = Backoff(self.ctx.engine.spin_pauses)
+        with self._lock:
+            while time.monotonic() < deadline:
+                self._drain()
+                self._step_round(None)
+                if self.round is None:
+                    if self.last_round is not None and self.last_round.everyone_closing:
+                        if not self.arrivals.busy and not self.sends:
+                            return
+                    else:
+                        self.round = Round(self.comm, Snapshot(None))
+                        self.rounds += 1
+                backoff.pause()
 
     def free(self) -> None:
-        """Let the notes still being sent go (they are small, sent eagerly)."""
+        """Let the notes still being sent go (small, sent eagerly), and any round still in flight."""
         for request in self.sends:
             request.Test()
         self.sends.clear()
+        self.round = None
