@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -38,10 +39,11 @@ from ._work import Work, finished_work, waited
 __all__ = ["BACKEND_NAME", "ProcessGroupMpitensor"]
 
 BACKEND_NAME = "mpitensor"
-# Tags of monitored_barrier's messages: the two highest mpitensor allows (torch programs'
-# own tags are small).
-_ARRIVE_TAG = 16382
-_RELEASE_TAG = 16383
+# Tags of monitored_barrier's tokens: a pair per group (from its name, the same on every
+# rank), in the top quarter of mpitensor's tags (torch programs' own tags are small), so that
+# a token one group's failed call leaves pending never pairs with another group's.
+_TOKEN_TAGS = 12288
+_TOKEN_GROUPS = (16384 - _TOKEN_TAGS) // 2
 
 
 @unseen_by_dynamo
@@ -578,12 +580,14 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def token(self, peer: int, release: bool) -> Any:
         """A monitored_barrier token to group rank `peer` (an arrival, or rank 0's release); the send's handle."""
-        return mt.send(np.ones(1, np.uint8), self._global(peer), tag=_RELEASE_TAG if release else _ARRIVE_TAG)
+        return mt.send(np.ones(1, np.uint8), self._global(peer), tag=self._token_tag(release))
 
     def receipt(self, peer: int, release: bool) -> Any:
         """The pending receipt of group rank `peer`'s next monitored_barrier token."""
-        tag = _RELEASE_TAG if release else _ARRIVE_TAG
-        return mt.recv(None, self._global(peer), shape=(1,), dtype=np.uint8, tag=tag)
+        return mt.recv(None, self._global(peer), shape=(1,), dtype=np.uint8, tag=self._token_tag(release))
+
+    def _token_tag(self, release: bool) -> int:
+        return _TOKEN_TAGS + 2 * (zlib.crc32(self._group_name.encode()) % _TOKEN_GROUPS) + release
 
 
 # -- argument checks and result writers -----------------------------------------------------

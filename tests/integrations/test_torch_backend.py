@@ -452,3 +452,68 @@ def test_cuda_tensors_take_the_gpu_paths(world):
     gathered = torch.zeros(world.size * 5, device=device)
     dist.all_gather_into_tensor(gathered, as_torch(arrays[world.rank], torch.float32).to(device))
     check(gathered.cpu(), np.concatenate(arrays), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.complex64], ids=str)
+def test_all_gather_coalesced_of_tensors_of_several_shapes(world, dtype):
+    """Output list k gets rank k's inputs (shapes [2, 2], [0], [3]), all in one all-gather."""
+    shapes = [(2, 2), (0,), (3,)]
+    arrays = [[rank_input(seed_of("coalesced", str(dtype), shape), rank, shape, torch.empty((), dtype=dtype)
+                          .numpy().dtype) for shape in shapes] for rank in range(world.size)]
+    outputs = [[torch.full(shape, -1, dtype=dtype) for shape in shapes] for _ in range(world.size)]
+    dist.all_gather_coalesced(outputs, [torch.from_numpy(a.copy()) for a in arrays[world.rank]])
+    for got_list, expected_list in zip(outputs, arrays):
+        for got, expected in zip(got_list, expected_list):
+            np.testing.assert_array_equal(got.numpy(), expected)
+    next_all_reduce_is_right(world, "after all_gather_coalesced")
+
+
+def test_all_gather_coalesced_inputs_that_differ_are_a_mismatch_on_every_rank(world):
+    if world.size == 1:
+        pytest.skip("needs a peer")
+    size = 2 + (world.rank == 0)  # each rank's outputs agree with its own input: they differ across ranks
+    outputs = [[torch.zeros(size)] for _ in range(world.size)]
+    with pytest.raises(mt.CollectiveMismatchError, match="shape"):
+        dist.all_gather_coalesced(outputs, [torch.zeros(size)])
+    next_all_reduce_is_right(world, "after a mismatched all_gather_coalesced")
+
+
+def test_sparse_all_reduce_sums_every_ranks_entries(world):
+    """A sparse COO tensor's all-reduce (SUM, as gloo): every rank's entries at their indices, summed."""
+    dense = [np.zeros((4, 3)) for _ in range(world.size)]
+    for rank in range(world.size):
+        dense[rank][rank % 4, :] = rank + 1.0  # one row each; ranks 0 and 4 share a row
+        dense[rank][3, rank % 3] = 10.0 * (rank + 1)
+    tensor = torch.from_numpy(dense[world.rank].copy()).to_sparse()
+    dist.all_reduce(tensor)
+    assert tensor.is_sparse
+    np.testing.assert_array_equal(tensor.to_dense().numpy(), np.sum(dense, axis=0))
+    with pytest.raises(ValueError, match="SUM only"):
+        dist.all_reduce(torch.zeros(3).to_sparse(), op=dist.ReduceOp.MAX)  # on every rank: no turn owed
+    next_all_reduce_is_right(world, "after sparse all_reduce")
+
+
+def test_sequence_numbers_count_the_groups_collectives(world):
+    """torch's sequence number: the same on every rank, one more for each collective of the group."""
+    group = dist.new_group()  # counting from its start (every rank of this module's group counts its own calls)
+    assert group._get_sequence_number_for_group() == 0
+    for i in range(1, 4):
+        dist.all_reduce(torch.ones(1), group=group)
+        dist.broadcast(torch.ones(1), src=0, group=group)
+        dist.barrier(group=group)
+        assert group._get_sequence_number_for_group() == 3 * i
+    every = mt.all_gather_object(group._get_sequence_number_for_group()).resolve()
+    assert every == [9] * world.size
+    dist.destroy_process_group(group)
+
+
+def test_the_group_declares_the_cpu_and_cuda(world):
+    """torch reads a group's devices from it (dcp.async_save wants the CPU among them)."""
+    assert set(dist.group.WORLD._device_types) == {torch.device("cpu"), torch.device("cuda")}
+
+
+def next_all_reduce_is_right(world: mt.DistributedContext, name: str) -> None:
+    arrays = inputs(name, (3,), torch.float64, world.size)
+    tensor = as_torch(arrays[world.rank], torch.float64)
+    dist.all_reduce(tensor)
+    check(tensor, np.sum(arrays, axis=0), torch.float64)
