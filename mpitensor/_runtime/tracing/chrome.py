@@ -10,11 +10,12 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from .stragglers import MOMENTS, MatchedCollective, TraceSummary, check_dumps, summarize
+from .stragglers import MOMENTS, MatchedCollective, TraceSummary, check_dumps, group_table, summarize
 
-__all__ = ["chrome_trace", "earliest_ns", "rank_events"]
+__all__ = ["chrome_trace", "earliest_ns", "group_label", "rank_events"]
 
 _COLLECTIVES, _REGIONS = 0, 1
+_LISTED_MEMBERS = 16  # a larger group is named in an event by its size and first and last ranks
 # Within one thread at one time: metadata first, then enclosing slices before what they enclose, then flows.
 _PHASE_ORDER = {"M": 0, "X": 1, "s": 2, "f": 3}
 
@@ -74,12 +75,20 @@ def _slice(dump: Mapping[str, Any], tid: int, name: str, cat: str, span: tuple[i
     }
 
 
-def _collective(dump: Mapping[str, Any], row: int, members: list[int], t0_ns: int, end_ns: int) -> dict[str, Any]:
+def group_label(members: Sequence[int]) -> list[int] | str:
+    """How an event shows its group: the ranks, or for a large group its size and ends (bounded per event)."""
+    if len(members) <= _LISTED_MEMBERS:
+        return list(members)
+    return f"{len(members)} ranks, {members[0]}..{members[-1]}"
+
+
+def _collective(dump: Mapping[str, Any], row: int, group: list[int] | str, t0_ns: int,
+                end_ns: int) -> dict[str, Any]:
     events = dump["events"]
     called, complete = events["called"][row], events["complete"][row]
     args: dict[str, Any] = {
         "id": events["id"][row],
-        "group": members,
+        "group": group,
         "seq": events["seq"][row],
         "bytes": events["nbytes"][row],
         "dtype": events["dtype"][row],
@@ -101,21 +110,24 @@ def _region(dump: Mapping[str, Any], row: int, t0_ns: int, end_ns: int) -> dict[
     return _slice(dump, _REGIONS, regions["name"][row], "region", (start, end, end_ns), t0_ns, args)
 
 
-def rank_events(dump: Mapping[str, Any], t0_ns: int) -> list[dict[str, Any]]:
+def rank_events(dump: Mapping[str, Any], t0_ns: int,
+                groups: Mapping[int, Sequence[int]] | None = None) -> list[dict[str, Any]]:
     """One rank's trace events: its metadata, collectives and regions (no flows: those need the other ranks).
 
     Args:
         dump: the rank's dump.
         t0_ns: the common-clock moment that becomes ts 0.
+        groups: every group's members (`group_table` of all the dumps); None: those `dump` lists.
 
     Returns:
         The events, sorted by (tid, ts).
     """
     end_ns = _last_local_ns(dump)
-    groups = {int(key): sorted(ranks) for key, ranks in dump["groups"].items()}
+    table = group_table([dump]) if groups is None else groups
+    labels = {group: group_label(members) for group, members in table.items()}
     events = _metadata(dump["rank"], str(dump.get("host", "")))
     events += [
-        _collective(dump, row, groups.get(group, []), t0_ns, end_ns)
+        _collective(dump, row, labels.get(group, []), t0_ns, end_ns)
         for row, group in enumerate(dump["events"]["group"])
     ]
     events += [_region(dump, row, t0_ns, end_ns) for row in range(len(dump.get("regions", {}).get("name", ())))]
@@ -166,7 +178,8 @@ def chrome_trace(dumps: Sequence[Mapping[str, Any]], summary: TraceSummary | Non
     summary = summary if summary is not None else summarize(ordered)
     t0_ns = earliest_ns(ordered)
     by_rank = {dump["rank"]: dump for dump in ordered}
-    events = [event for dump in ordered for event in rank_events(dump, t0_ns)]
+    table = group_table(ordered)
+    events = [event for dump in ordered for event in rank_events(dump, t0_ns, table)]
     ids = itertools.count(1)
     events += [flow for collective in summary.collectives for flow in _flows(collective, by_rank, t0_ns, ids)]
     events.sort(key=_sort_key)

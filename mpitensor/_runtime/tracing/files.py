@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .chrome import chrome_trace, earliest_ns, rank_events
-from .stragglers import check_dump_values, check_dumps
+from .stragglers import check_dump_values, check_dumps, group_table
 
 __all__ = ["FORMAT", "clear_path", "part_path", "part_paths", "read_dumps", "remove_trace", "write_part", "write_trace"]
 
@@ -226,4 +226,23 @@ def read_dumps(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 f"no trace at {path}, and no parts of one ({path}.rank*.json): pass the file the run wrote its trace to"
             )
         dumps = [dump for part in parts for dump in _load(part)]
+    _list_recorded_groups(dumps)
     return sorted(dumps, key=lambda dump: dump["rank"])
+
+
+def _list_recorded_groups(dumps: Sequence[dict[str, Any]]) -> None:
+    """Give each dump the members of every group its events are on, from the table of all the dumps.
+
+    A merged file lists each group once, in its first member's dump (see `Tracer.dump`); a
+    reader of one dump finds its groups there again. The lists are the table's own (shared,
+    not copied), so a large run's dumps do not hold P copies of the whole context's members.
+
+    Raises:
+        ValueError: two dumps list one group with different members.
+    """
+    table = {str(group): list(members) for group, members in group_table(dumps).items()}
+    for dump in dumps:
+        listed = dump["groups"]
+        for group in {str(key) for key in dump["events"]["group"]} - listed.keys():
+            if group in table:
+                listed[group] = table[group]

@@ -70,9 +70,9 @@ class TraceSession:
         if threads and self._size > 1:
             self._flight = FlightRecorder(comm, self.write_part)
 
-    def dump(self) -> dict[str, Any]:
-        """This rank's record as a dump (see `Tracer.dump`)."""
-        return self.tracer.dump(self._rank, self._size, self._host, self._offset, self._check)
+    def dump(self, every_group: bool = True) -> dict[str, Any]:
+        """This rank's record as a dump (see `Tracer.dump`; False: each group listed by its first member only)."""
+        return self.tracer.dump(self._rank, self._size, self._host, self._offset, self._check, every_group)
 
     def write_part(self) -> None:
         """Write this rank's part (``PATH.rank<N>.json``) now; reports a failure on stderr, never raises."""
@@ -98,7 +98,9 @@ class TraceSession:
         if not merge:
             self.write_part()
             return
-        dumps = comm.gather(self.dump(), root=0)
+        # Each group's members come once, from its first member: every rank listing the
+        # whole context's would make rank 0 gather P lists of P ranks.
+        dumps = comm.gather(self.dump(every_group=False), root=0)
         if dumps is None:
             return
         try:
@@ -114,7 +116,7 @@ class TraceSession:
 
     def summary(self, gather: Callable[[Any], list[Any]]) -> TraceSummary:
         """The straggler summary of every rank's record so far, `gather` exchanging the dumps."""
-        return summarize(gather(self.dump()))
+        return summarize(gather(self.dump(every_group=False)))
 
 
 _DEFAULT_EVENTS = 16384  # DistributedConfig's default, for the advice below

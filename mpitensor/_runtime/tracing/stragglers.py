@@ -22,6 +22,7 @@ __all__ = [
     "check_dump_values",
     "check_dumps",
     "duration_text",
+    "group_table",
     "match_collectives",
     "summarize",
 ]
@@ -204,7 +205,15 @@ class Matching:
     single_rank: int
 
 
-def _group_members(dumps: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int, ...]]:
+def group_table(dumps: Sequence[Mapping[str, Any]]) -> dict[int, tuple[int, ...]]:
+    """Every group the dumps list, with its members (world ranks, ascending).
+
+    A merged trace lists each group once, in its first member's dump; a part lists every group
+    of its rank. Either way the table is the union.
+
+    Raises:
+        ValueError: two dumps list one group with different members.
+    """
     members: dict[int, tuple[int, ...]] = {}
     listed_by: dict[int, int] = {}
     for dump in dumps:
@@ -224,10 +233,11 @@ def _sightings(
 ) -> dict[tuple[int, int], dict[int, int]]:
     """(group, seq) -> {rank: row}, checking that each rank is a member of the groups it recorded."""
     seen: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
+    member_sets = {group: frozenset(ranks) for group, ranks in members.items()}  # a look-up per event, not a scan
     for dump in dumps:
         rank, events = dump["rank"], dump["events"]
         for row, key in enumerate(zip(events["group"], events["seq"])):
-            if rank not in members.get(key[0], ()):
+            if rank not in member_sets.get(key[0], ()):
                 raise ValueError(
                     f"rank {rank}'s event {events['id'][row]} is on group {key[0]}, which its dump's 'groups' does "
                     f"not list with rank {rank} in it: the dump is corrupt"
@@ -270,7 +280,7 @@ def match_collectives(dumps: Sequence[Mapping[str, Any]]) -> Matching:
     """
     ordered = check_dumps(dumps)
     by_rank = {dump["rank"]: dump for dump in ordered}
-    members = _group_members(ordered)
+    members = group_table(ordered)
     matched, unmatched, single = [], Counter(), 0
     for (group, seq), rows in _sightings(ordered, members).items():
         first = min(rows)

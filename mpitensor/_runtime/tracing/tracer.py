@@ -98,13 +98,18 @@ class Tracer:
 
     # -- the dump ----------------------------------------------------------------------------
 
-    def dump(self, rank: int, size: int, host: str, offset_ns: int, check: bool) -> dict[str, Any]:
+    def dump(self, rank: int, size: int, host: str, offset_ns: int, check: bool,
+             every_group: bool = True) -> dict[str, Any]:
         """This rank's record as the plain dict `chrome` and `stragglers` read.
 
         Args:
             rank: this rank's world rank; size: the context's size; host: its host name.
             offset_ns: what to add to this rank's clock to get the common clock.
             check: whether the context runs the consistency check.
+            every_group: list the members of every group this rank recorded (a part, read
+                alone); False lists only the groups whose first member this rank is, for a
+                merge of every rank's dump (each group once: `read_dumps` and the readers
+                take them from the merged table).
         """
         events = events_of(self.ring)
         columns: dict[str, list[Any]] = {name: events[name].tolist() for name in _COLUMNS}
@@ -120,7 +125,9 @@ class Tracer:
             "check": bool(check),
             "capacity": int(self.ring.capacity),
             "dropped": int(self.ring.recorded - len(events)),
-            "groups": {str(key): list(ranks) for key, ranks in self._group_members.items()},
+            "groups": {
+                str(key): list(ranks) for key, ranks in self._group_members.items() if every_group or ranks[0] == rank
+            },
             "events": columns,
             "regions": {
                 "name": [r[0] for r in regions],
