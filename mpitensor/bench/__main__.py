@@ -8,6 +8,7 @@ Examples::
     mpiexec -n 2 python -m mpitensor.bench interop              # torch input against NumPy input
     mpiexec -n 2 python -m mpitensor.bench collectives          # gather, scatter, scans, objects
     mpiexec -n 4 python -m mpitensor.bench torch                # DataParallel against torch DDP
+    mpiexec -n 2 python -m mpitensor.bench torch --busy         # the backend against gloo, cores busy
     mpiexec -n 2 python -m mpitensor.bench jax                  # mpitensor.jax against mpi4jax
     mpiexec -n 2 python -m mpitensor.bench tracing              # tracing on against off
     python -m mpitensor.bench report bench-results/*.json       # the targets table
@@ -47,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default=None, help="file name stem (default: <mpi>-np<ranks>)")
     parser.add_argument("--no-gloo", action="store_true", help="skip the torch gloo baselines")
     parser.add_argument("--steps", type=int, default=30, help="torch: timed training steps per variant (30)")
+    parser.add_argument("--busy", action="store_true",
+                        help="torch: instead, the backend's all-reduce and DDP step against gloo's beside a "
+                             "CPU hog per core")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--quick", action="store_true",
                         help="a short sanity run: a few sizes, 3 rounds, short batches")
@@ -141,7 +145,12 @@ def _run_families(args: argparse.Namespace, out: _Output, sizes: list[int], over
         say(f"collectives: {format_size_list(collective_sizes)}")
         result = run_collectives(collective_sizes, reps=args.reps, target=args.target, progress=say)
         out.publish("collectives", result, format_collectives)
-    if args.command == "torch" or (args.command == "all" and not args.no_gloo and _has_torch()):
+    if args.command == "torch" and args.busy:
+        from .torch_busy import format_torch_busy, run_torch_busy
+
+        say("torch --busy: the backend against gloo beside a CPU hog per core")
+        out.publish("torch_busy", run_torch_busy(progress=say), format_torch_busy)
+    elif args.command == "torch" or (args.command == "all" and not args.no_gloo and _has_torch()):
         from .torch_ddp import format_torch_ddp, run_torch_ddp
 
         say("torch: DataParallel and DDP on mpitensor against DDP on gloo")

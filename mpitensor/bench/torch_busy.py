@@ -1,0 +1,165 @@
+"""The ``mpitensor`` backend against gloo on a busy machine: a CPU hog per core runs beside the ranks.
+
+A laptop running other work, a shared node, a CI box, oversubscribed test ranks: there a
+rank that spins while it waits for a peer burns the time slice the peer needs. This
+benchmark makes that machine: before timing, the first rank of each node starts one
+process per core that only spins (a ``while True`` loop, at normal priority), and stops
+them after. Beside them, in one job and interleaved round by round (the order rotating each
+round), it times:
+
+- ``dist.all_reduce`` of a 332 KiB float32 tensor on gloo and on the backend;
+- a DDP training step (forward, backward with its one gradient bucket of about 333 KiB,
+  SGD) of an MLP of 85k parameters (784-104-32-10), DDP on gloo and DDP on the backend.
+
+Each figure is the median over rounds of the slowest rank's mean time per call (or step).
+
+Run ``mpiexec -n 2 python -m mpitensor.bench torch --busy``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from .._core.mpi import MPI
+from ._common import markdown_table, seconds_per_call, start_gloo, stop_gloo, text_table
+
+__all__ = ["format_torch_busy", "run_torch_busy"]
+
+ALL_REDUCE_ELEMENTS = 332 * 1024 // 4  # 332 KiB of float32
+WIDTHS = (784, 104, 32, 10)  # 85,330 parameters: one bucket of 333 KiB
+# The hog: a Python loop that never sleeps (no imports, so it starts in milliseconds).
+_HOG = "while True:\n    pass\n"
+
+
+@contextmanager
+def cpu_hogs(count: int) -> Iterator[int]:
+    """Run `count` spinning processes until the block ends; yields how many run."""
+    hogs = [subprocess.Popen([sys.executable, "-c", _HOG], stdin=subprocess.DEVNULL) for _ in range(count)]
+    try:
+        yield len(hogs)
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()
+
+
+def _mlp() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for width_in, width_out in itertools.pairwise(WIDTHS):
+        layers += [torch.nn.Linear(width_in, width_out), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _ddp_step(model: Any, optim: Any, x: Any, y: Any) -> Callable[[], None]:
+    import torch
+
+    def step() -> None:
+        optim.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optim.step()
+
+    return step
+
+
+def run_torch_busy(rounds: int = 9, reps: int = 20, steps: int = 10, hogs: int | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Time the backend's all-reduce and DDP step against gloo's with a CPU hog per core; every rank calls it.
+
+    Args:
+        rounds: rounds of every variant (the figure is the median over them).
+        reps: all-reduces per variant and round.
+        steps: DDP steps per variant and round.
+        hogs: spinning processes per node (None: one per core).
+        progress: called with a line on rank 0 when the run is over.
+
+    Returns:
+        The settings, the median seconds per call of each variant and the backend's ratios
+        to gloo; ``{"skipped": reason}`` without torch.
+    """
+    try:
+        import torch
+    except ImportError:
+        return {"skipped": "torch is not installed (pip install torch)"}
+    import mpitensor as mt
+
+    if hogs is None:
+        hogs = os.cpu_count() or 1
+    with mt.DistributedContext.init() as ctx:
+        dist = start_gloo(ctx.comm)
+        try:
+            import mpitensor.torch  # noqa: F401 - registers the backend
+
+            group = dist.new_group(backend="mpitensor")
+            variants = _variants(torch, dist, group, ctx.rank, reps, steps)
+            with cpu_hogs(hogs if ctx.local_rank == 0 else 0):
+                ctx.comm.Barrier()
+                time.sleep(0.5)  # the hogs have started on every node
+                times = _interleaved(variants, rounds, ctx.comm)
+        finally:
+            variants = group = {}  # DDP goes before its process group (see stop_gloo)
+            stop_gloo(dist)
+    if progress is not None and ctx.rank == 0:
+        progress("torch --busy: done")
+    medians = {name: float(np.median(values)) for name, values in times.items()}
+    return {"ranks": ctx.size, "rounds": rounds, "hogs_per_node": hogs, "cores": os.cpu_count(),
+            "seconds": medians,
+            "all_reduce_backend_over_gloo": medians["all_reduce mpitensor"] / medians["all_reduce gloo"],
+            "ddp_step_backend_over_gloo": medians["ddp step mpitensor"] / medians["ddp step gloo"]}
+
+
+def _variants(torch: Any, dist: Any, group: Any, rank: int, reps: int, steps: int) -> dict[str, tuple[Any, int]]:
+    """Each variant's call and how many calls a round times."""
+    tensor = torch.zeros(ALL_REDUCE_ELEMENTS)  # zeros: sums in place stay exact
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, WIDTHS[0], generator=gen), torch.randint(0, WIDTHS[-1], (32,), generator=gen)
+    models = {name: torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=pg)
+              for name, pg in (("gloo", None), ("mpitensor", group))}
+    optims = {name: torch.optim.SGD(model.parameters(), lr=1e-3) for name, model in models.items()}
+    return {
+        "all_reduce gloo": (lambda: dist.all_reduce(tensor), reps),
+        "all_reduce mpitensor": (lambda: dist.all_reduce(tensor, group=group), reps),
+        "ddp step gloo": (_ddp_step(models["gloo"], optims["gloo"], x, y), steps),
+        "ddp step mpitensor": (_ddp_step(models["mpitensor"], optims["mpitensor"], x, y), steps),
+    }
+
+
+def _interleaved(variants: dict[str, tuple[Any, int]], rounds: int, comm: Any) -> dict[str, list[float]]:
+    """Per variant, the slowest rank's mean seconds per call in each round (the order rotating)."""
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        for turn in range(len(names)):
+            name = names[(turn + round_) % len(names)]
+            call, reps = variants[name]
+            took = seconds_per_call(call, reps, comm.Barrier)
+            times[name].append(comm.allreduce(took, op=MPI.MAX))
+    return times
+
+
+def format_torch_busy(result: dict[str, Any], markdown: bool = True) -> str:
+    """The result as a table: per measurement gloo's time, the backend's, and their ratio."""
+    if "skipped" in result:
+        return f"torch --busy: skipped ({result['skipped']})"
+    seconds = result["seconds"]
+    header = ["measurement", "gloo ms", "mpitensor ms", "mpitensor / gloo"]
+    rows = [[what, f"{seconds[f'{what} gloo'] * 1e3:.2f}", f"{seconds[f'{what} mpitensor'] * 1e3:.2f}",
+             f"{seconds[f'{what} mpitensor'] / seconds[f'{what} gloo']:.2f}"]
+            for what in ("all_reduce", "ddp step")]
+    title = (f"The mpitensor backend against gloo beside {result['hogs_per_node']} CPU hogs per node "
+             f"({result['cores']} cores), {result['ranks']} ranks, medians of {result['rounds']} interleaved "
+             "rounds: a 332 KiB all_reduce, a DDP step of an 85k-parameter MLP")
+    table = markdown_table(header, rows) if markdown else text_table(header, rows)
+    return f"{title}\n\n{table}\n" if markdown else f"{title}\n{table}"
