@@ -9,7 +9,7 @@ run time in the library mpi4py loaded (see mpitensor/_collectives/native/__init_
 
 from setuptools import Extension, setup
 
-_SOURCES = ["module.c", "abi.c", "rows.c", "keys.c", "lane.c", "finish.c", "entry.c", "handle.c", "leaves.c"]
+_SOURCES = ["module.c", "abi.c", "check.c", "rows.c", "keys.c", "lane.c", "finish.c", "entry.c", "handle.c", "leaves.c"]
 
 
 def _extensions() -> list[Extension]:

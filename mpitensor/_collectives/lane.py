@@ -35,8 +35,9 @@ from .._runtime.context import DevicesArg
 from .._runtime.engine import Group, Op
 from .._runtime.ordering import set_barrier, wait_for_compiled
 from .._transport.base import ReduceCall
-from .._transport.inline import carry, reduce_carried, reduce_carried_keys
+from .._transport.inline import INLINE_RANKS, carry, reduce_carried, reduce_carried_keys
 from .._transport.mpi import SMALL_BYTES, in_place, out_of_place
+from .._transport.reduced_check import carry_code, coded
 from .._transport.reduction import finish_reduction, needs_decoding, reduction_finisher, reduction_input
 from .._transport.select import IN_CHECK, IN_PLACE, PLAIN
 from .common import CollectiveTensor, Input, follow
@@ -318,6 +319,8 @@ class CheckLane(_Lane):
         plan = self.plan
         try:
             payload = carry(array, plan.work_dtype)
+            if group.size > INLINE_RANKS:  # a large group's check reduces it: its code goes with it
+                payload = coded(payload, carry_code(plan, plan.work_dtype, array.size))
             out = np.empty(array.shape, plan.work_dtype)
         except Exception:  # nothing is posted yet: the general path takes the call again and reports it
             return None

@@ -7,14 +7,18 @@ call the public collectives and let them choose. Each figure says where it was m
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
     "CARRIED_MAX_BYTES", "CHECK_HEADER_BYTES", "COW_BYTES", "GATHERED_CHECK_RANKS", "HELD_INTO_BYTES", "LANE_BYTES",
     "SHARED_MEMORY_MIN_BYTES", "SMALL_BYTES",
 ]
 
 # Groups of up to this many ranks gather their checks' rows (beyond, gathering every row to
-# every rank costs more than the all-reduce of a fixed record it replaces).
-GATHERED_CHECK_RANKS = 8
+# every rank costs more than the all-reduce of a fixed record it replaces). The environment's
+# MPITENSOR_GATHERED_CHECK_RANKS changes it (the same on every rank: the tests use 1 to run the
+# large groups' check on a few ranks).
+GATHERED_CHECK_RANKS = int(os.environ.get("MPITENSOR_GATHERED_CHECK_RANKS", "8"))
 # A check row: the header (agreement hash, per-rank value), then the payload; all-reduces
 # whose work buffer fits the payload travel inside the check.
 CHECK_HEADER_BYTES = 16

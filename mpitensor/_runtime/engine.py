@@ -33,6 +33,7 @@ from .._core.protect import claim
 from .._core.records import EngineRecord, GroupRecord, OpRecord
 from .._transport.base import Stepper
 from .._transport.inline import CARRIED, HEADER_BYTES, INLINE_RANKS, PAYLOAD_BYTES, ROW_BYTES
+from .._transport.reduced_check import CHECK_WORDS, check_record, check_reduction, payload_of
 from .check import (
     ABANDON,
     ABANDONED_KIND,
@@ -441,10 +442,12 @@ class Engine(EngineRecord):
             op.check_recv = bytearray(ROW_BYTES * group.size)
             op.check_req = group.check_comm.Iallgather(op.check_send, op.check_recv)
         else:
-            per_rank = record.per_rank
-            op.check_send = np.array([value, -value, per_rank, -per_rank], np.int64)
-            op.check_recv = np.empty(4, np.int64)
-            op.check_req = group.check_comm.Iallreduce(op.check_send, op.check_recv, MPI.MIN)
+            # One record of header, code and payload, reduced by mpitensor's own op (see reduced_check).
+            op.check_send = check_record(value, record.per_rank, op.payload)
+            op.check_recv = np.empty(CHECK_WORDS, np.int64)
+            datatype, reduction = check_reduction()
+            op.check_req = group.check_comm.Iallreduce([op.check_send, 1, datatype], [op.check_recv, 1, datatype],
+                                                       reduction)
         op.check_stage = _AGREE
 
     def _carried_at_once(self, op: Op) -> bool:
@@ -458,12 +461,18 @@ class Engine(EngineRecord):
         """
         if not _spin(op.check_req, self.check_spins()):
             return False
-        rows = op.check_recv
-        header = op.check_send[:HEADER_BYTES]
-        for offset in range(0, len(rows), ROW_BYTES):
-            if not rows.startswith(header, offset):
-                return False  # completed: `_advance_check` tests it again, and it tests True
-        op.gathered = rows
+        if op.group.gathers:
+            rows = op.check_recv
+            header = op.check_send[:HEADER_BYTES]
+            for offset in range(0, len(rows), ROW_BYTES):
+                if not rows.startswith(header, offset):
+                    return False  # completed: `_advance_check` tests it again, and it tests True
+            op.gathered = rows
+        else:
+            received = op.check_recv
+            if received[0] != -received[1] or received[0] != op.check_send[0]:
+                return False  # `_advance_check` finds out what differs
+            op.gathered = payload_of(received, op.check_send)
         self._check_passed(op)
         self._post_data(op)
         return True
@@ -506,8 +515,9 @@ class Engine(EngineRecord):
         if group.gathers:
             low, high, shortest, longest = _row_extremes(received)
         else:
-            low, high = int(received[0]), -int(received[1])
-            shortest, longest = int(received[2]), -int(received[3])
+            words = np.frombuffer(received, np.int64)  # the compiled lane's bytes, or the engine's array
+            low, high = int(words[0]), -int(words[1])
+            shortest, longest = int(words[2]), -int(words[3])
         if low == CLOSING and high != CLOSING:
             self._met_departure(op, -shortest - 1)
             return True
@@ -518,9 +528,13 @@ class Engine(EngineRecord):
             self._fail(op)
             return True
         if op.payload is not None:
-            # Every member's row, payload included; None if some member carried no input
-            # (it reduces through MPI, and so must this rank).
-            op.gathered = received if shortest == longest == CARRIED else None
+            # Every member's row, payload included (a large group's check: every payload
+            # reduced); None if some member carried no input (it reduces through MPI, and so
+            # must this rank).
+            if group.gathers:
+                op.gathered = received if shortest == longest == CARRIED else None
+            else:
+                op.gathered = payload_of(received, op.check_send)
         elif op.exchange is not False and op.exchange is not True:
             # Counts to swap: posted on the detail communicator, in call order, like
             # every later stage, so the data that depends on them keeps its order.

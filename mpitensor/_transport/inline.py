@@ -25,6 +25,7 @@ import numpy as np
 from .._core.limits import CARRIED_MAX_BYTES, CHECK_HEADER_BYTES, GATHERED_CHECK_RANKS
 from .base import ReduceCall
 from .mpi import in_place
+from .reduced_check import Reduced, carry_code, coded
 
 __all__ = [
     "CARRIED", "HEADER_BYTES", "INLINE_RANKS", "PAYLOAD_BYTES", "ROW_BYTES", "InCheck", "carry", "reduce_carried",
@@ -45,22 +46,25 @@ class InCheck:
     name = "in-check"
 
     def applies(self, call: ReduceCall) -> bool:
-        """Checked calls in groups of 2 to `INLINE_RANKS` ranks whose work buffer fits the payload.
+        """Checked calls in groups of more than one rank whose work buffer fits the payload.
 
-        Half precision (rounded back once) is left to MPI. Every input of the decision is
-        agreed on by the ranks (group size, configuration, shape, dtype and op), so every
-        rank of a matched call chooses alike; a mismatched call is caught by the check first.
+        Half precision (rounded back once) is left to MPI. In groups of more than
+        `INLINE_RANKS`, whose check is an all-reduce, only the reductions `carry_code` gives
+        a code (exact in any order: integers, float sums and products, complex sums). Every
+        input of the decision is agreed on by the ranks (group size, configuration, shape,
+        dtype and op), so every rank of a matched call chooses alike; a mismatched call is
+        caught by the check first.
         """
         # Only checked calls ask (`select.ALL_REDUCE_CHECKED`); the configuration is asked
         # again all the same, and the input's size cuts most calls short.
         if not call.ctx.config.check or call.nbytes > PAYLOAD_BYTES << 3:
             return False
         plan = call.plan
-        return (
-            call.source.array.size * plan.work_dtype.itemsize <= PAYLOAD_BYTES
-            and 1 < call.group.size <= INLINE_RANKS
-            and not plan.rounds_back
-        )
+        size = call.group.size
+        count = call.source.array.size
+        if count * plan.work_dtype.itemsize > PAYLOAD_BYTES or plan.rounds_back or size < 2:
+            return False
+        return size <= INLINE_RANKS or carry_code(plan, plan.work_dtype, count) is not None
 
     def prepare(self, call: ReduceCall) -> None:
         """The payload: the input's bytes in the work dtype, padded; the result: a fresh array.
@@ -71,6 +75,8 @@ class InCheck:
         """
         buffer = call.source.buffer  # contiguous, native order
         call.send = carry(buffer, call.plan.work_dtype)
+        if call.group.size > INLINE_RANKS:  # the check reduces it: its reduction's code goes with it
+            call.send = coded(call.send, carry_code(call.plan, call.plan.work_dtype, buffer.size))
         call.out = call.final = np.empty(buffer.shape, call.plan.work_dtype)
         call.decoded = True
 
@@ -79,8 +85,9 @@ class InCheck:
 
         Args:
             call: the call.
-            rows: the gathered check rows, `ROW_BYTES` per member in group order; None when
-                some member's row carried no input: MPI then reduces this rank's copy.
+            rows: the gathered check rows, `ROW_BYTES` per member in group order (in a large
+                group, every payload already reduced: a `Reduced`); None when some member's
+                row carried no input: MPI then reduces this rank's copy.
 
         Returns:
             No requests (the result is final), or MPI's in-place all-reduce's.
@@ -113,6 +120,9 @@ def reduce_carried(comm: Any, out: np.ndarray, payload: bytes, plan: Any, rows: 
     """
     dtype, count = out.dtype, out.size
     target = out if out.ndim == 1 else out.reshape(-1)
+    if isinstance(rows, Reduced):  # a large group's check reduced every payload
+        np.copyto(target, np.frombuffer(rows, dtype, count))
+        return []
     if rows is None:
         # The copy taken at the call: the input itself may have been written since.
         np.copyto(target, np.frombuffer(payload, dtype, count))

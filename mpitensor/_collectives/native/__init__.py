@@ -70,6 +70,7 @@ from ..._transport.mpi import (
     held_reduce,
     in_place,
 )
+from ..._transport.reduced_check import CHECK_WORDS, carry_code, check_reduction, use_compiled
 from ..common import CollectiveTensor, Convert, Later, settle_later
 
 try:
@@ -187,6 +188,7 @@ def _bind() -> bool:
         _binding.why = f"cannot bind to this MPI: {exc}"
         return False
     LaneTensor.resolve = _lanes.resolve_for(LaneTensor)  # the compiled wait of a posted op
+    use_compiled(_lanes.check_op(CHECK_WORDS))  # the large groups' checks reduce with the compiled op
     _binding.why = ""
     return True
 
@@ -284,12 +286,12 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
     if keys is None:
         return None
     group = lane.group
-    if record is not None and not group.gathers:
-        return None  # the check of a large group is an all-reduce of its own, on the Python lane
     # A checked lane's record says its ReduceOperation.
     rows = _lanes.rows_kind(array.dtype.num, _OP_CODES[record.op]) if checked else 0
     if rows < 0:
         return None
+    large = record is not None and not group.gathers  # its check all-reduces one record (reduced_check)
+    code = carry_code(plan, array.dtype, array.size) if large and checked else None
     tracer = lane.ctx.engine.tracer
     trace = None
     if tracer is not None:
@@ -303,10 +305,11 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
         kind=_lanes.CHECK if checked else _lanes.COPY, ctx=lane.ctx, group=group, op_key=op,
         template=np.empty(array.shape, array.dtype), datatype=plan.datatype, mpi_op=plan.mpi_op,
         divide=plan.divide, record=record, value=0 if record is None else record.check_value(),
-        per_rank=CARRIED if checked else 0 if record is None else record.per_rank, rows=rows,
+        per_rank=CARRIED if checked and not large else 0 if record is None else record.per_rank, rows=rows,
         spins=lane.ctx.engine.check_spins(),
         queued_post=(_carried_post(keys) if checked else in_place, group.comm, plan), done_op=done, trace=trace,
-        keys=keys, into=False, collective=_lanes.ALL_REDUCE, root=-1, **_communicators(lane.ctx, group),
+        keys=keys, into=False, collective=_lanes.ALL_REDUCE, root=-1,
+        **{**_communicators(lane.ctx, group), "code": code or 0},
     )
 
 
@@ -390,8 +393,13 @@ _HELD_DATA = {
 
 
 def _communicators(ctx: Any, group: Any) -> dict[str, Any]:
-    """What a lane takes of its group and context beside their records: the communicators, the result's device."""
-    return {"comm": group.comm, "check_comm": group.check_comm, "device": ctx.cpu_device}
+    """What a lane takes of its group and context beside their records: the communicators, the result's device.
+
+    And, for a checked lane of a large group (whose check all-reduces one record), that record's
+    datatype and op, and a carried call's code (set by the caller).
+    """
+    return {"comm": group.comm, "check_comm": group.check_comm, "device": ctx.cpu_device,
+            "check_reduction": None if group.gathers else check_reduction(), "code": 0}
 
 
 def _keys(plan: Any, dtype: np.dtype, checked: bool) -> int | None:

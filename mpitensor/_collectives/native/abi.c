@@ -35,6 +35,11 @@ typedef int (*comm_rank_ptr)(void *, int *);
 typedef int (*comm_rank_int)(int, int *);
 typedef int (*comm_size_ptr)(void *, int *);
 typedef int (*comm_size_int)(int, int *);
+typedef void (*user_function)(void *, void *, int *, void *);
+typedef int (*op_create_ptr)(user_function, int, void **);
+typedef int (*op_create_int)(user_function, int, int *);
+typedef PyObject *(*op_new_ptr)(void *);
+typedef PyObject *(*op_new_int)(int);
 typedef int (*test_fn)(void *, int *, void *);
 typedef int (*wait_fn)(void *, void *);
 typedef PyObject *(*request_new_ptr)(void *);
@@ -44,6 +49,7 @@ typedef void *(*handle_get)(PyObject *);
 static struct {
     int pointer_handles;
     void *iallreduce, *iallgather, *allreduce, *allgather, *bcast, *alltoall, *gather, *reduce, *comm_rank, *comm_size;
+    void *op_create, *op_new;
     test_fn test;
     wait_fn wait;
     void *request_new;
@@ -69,8 +75,9 @@ static int find_in(void *library, const char *why_prefix, char *why, size_t why_
     mpi.reduce = dlsym(library, "MPI_Reduce");
     mpi.comm_rank = dlsym(library, "MPI_Comm_rank");
     mpi.comm_size = dlsym(library, "MPI_Comm_size");
+    mpi.op_create = dlsym(library, "MPI_Op_create");
     if (mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait && mpi.allreduce && mpi.allgather && mpi.bcast &&
-        mpi.alltoall && mpi.gather && mpi.reduce && mpi.comm_rank && mpi.comm_size)
+        mpi.alltoall && mpi.gather && mpi.reduce && mpi.comm_rank && mpi.comm_size && mpi.op_create)
         return 1;
     snprintf(why, why_size, "%s", why_prefix);
     return 0;
@@ -129,9 +136,10 @@ static int find_capi(PyObject *module, char *why, size_t why_size) {
     mpi.comm_get = (handle_get)capsule_function(capi, "PyMPIComm_Get", "MPI_Comm *(PyObject *)");
     mpi.datatype_get = (handle_get)capsule_function(capi, "PyMPIDatatype_Get", "MPI_Datatype *(PyObject *)");
     mpi.op_get = (handle_get)capsule_function(capi, "PyMPIOp_Get", "MPI_Op *(PyObject *)");
+    mpi.op_new = capsule_function(capi, "PyMPIOp_New", "PyObject *(MPI_Op)");
     Py_DECREF(capi);
     PyErr_Clear();
-    if (!mpi.request_new || !mpi.request_get || !mpi.comm_get || !mpi.datatype_get || !mpi.op_get) {
+    if (!mpi.request_new || !mpi.request_get || !mpi.comm_get || !mpi.datatype_get || !mpi.op_get || !mpi.op_new) {
         snprintf(why, why_size, "mpi4py's C API lacks the Request, Comm, Datatype or Op functions");
         return -1;
     }
@@ -253,6 +261,27 @@ int mpi_reduce(const void *send, void *recv, int count, mpi_handle datatype, mpi
 int mpi_comm_rank(mpi_handle comm, int *rank) {
     if (mpi.pointer_handles) return ((comm_rank_ptr)mpi.comm_rank)((void *)comm, rank);
     return ((comm_rank_int)mpi.comm_rank)((int)comm, rank);
+}
+
+int mpi_iallreduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm,
+                   void *request) {
+    if (mpi.pointer_handles)
+        return ((iallreduce_ptr)mpi.iallreduce)(send, recv, count, (void *)datatype, (void *)op, (void *)comm, request);
+    return ((iallreduce_int)mpi.iallreduce)(send, recv, count, (int)datatype, (int)op, (int)comm, request);
+}
+
+PyObject *mpi_new_op(user_function function, int commute) {
+    if (mpi.pointer_handles) {
+        void *op = NULL;
+        if (((op_create_ptr)mpi.op_create)(function, commute, &op) != 0) goto failed;
+        return ((op_new_ptr)mpi.op_new)(op);
+    }
+    int op = 0;
+    if (((op_create_int)mpi.op_create)(function, commute, &op) != 0) goto failed;
+    return ((op_new_int)mpi.op_new)(op);
+failed:
+    PyErr_SetString(PyExc_RuntimeError, "MPI_Op_create failed");
+    return NULL;
 }
 
 int mpi_comm_size(mpi_handle comm, int *size) {

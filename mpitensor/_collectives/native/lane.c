@@ -45,6 +45,7 @@
 #include <time.h>
 
 enum { LANE_COPY = 0, LANE_CHECK = 1, LANE_HELD = 2 };
+enum { RECORD_CODE = 4, RECORD_PAYLOAD = 5 }; /* the words of a large group's check record */
 enum { KEYS_NONE = 0, KEYS_MAX = 1, KEYS_MIN = 2 };
 /* The collective a lane's calls are. */
 enum { OF_ALL_REDUCE = 0, OF_BROADCAST = 1, OF_ALL_GATHER = 2, OF_ALL_TO_ALL = 3, OF_GATHER = 4, OF_REDUCE = 5 };
@@ -62,6 +63,11 @@ typedef struct {
     int size, spins, divide, rows_kind, type_num;
     int keys; /* MPI reduces MAX/MIN keys of floats: 0 none, else KEYS_MAX or KEYS_MIN */
     int into; /* HELD: the result lands in the caller's other array (1), or in the input (0) */
+    /* Whether the group's checks gather rows; else (a large group) they all-reduce one record of
+     * consts.check_words int64 with mpitensor's op (check.c), `code` saying what a CHECK call carries. */
+    int gathers;
+    long long code;
+    mpi_handle check_datatype, check_op;
     int collective, root, me; /* OF_*; a rooted call's root and this rank, in the group's communicator */
     PyObject *name;           /* the collective's name: its ops', and MPI's errors' */
     unsigned long owner;
@@ -177,9 +183,10 @@ static int take_buffers(Lane *lane, PyObject **send, PyObject **recv, PyObject *
         Py_CLEAR(lane->send);
         Py_CLEAR(lane->recv);
         Py_CLEAR(lane->request);
-        lane->send = PyByteArray_FromStringAndSize(NULL, consts.row_bytes);
+        Py_ssize_t sent = lane->gathers ? consts.row_bytes : (Py_ssize_t)consts.check_words * 8;
+        lane->send = PyByteArray_FromStringAndSize(NULL, sent);
         if (lane->send != NULL)
-            lane->recv = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)consts.row_bytes * lane->size);
+            lane->recv = PyByteArray_FromStringAndSize(NULL, lane->gathers ? sent * lane->size : sent);
         if (lane->recv != NULL) lane->request = mpi_new_request();
         if (lane->request == NULL) {
             Py_CLEAR(lane->send);
@@ -197,8 +204,20 @@ static int take_buffers(Lane *lane, PyObject **send, PyObject **recv, PyObject *
 /* The row: the agreement hash and the per-rank value (the engine's "=qq" header), then the
  * input where the check carries it, zeros otherwise. */
 static void fill_row(Lane *lane, char *row, PyArrayObject *array) {
-    int64_t header[2] = {(int64_t)lane->value, (int64_t)lane->per_rank};
     Py_ssize_t carried = lane->kind == LANE_CHECK ? (Py_ssize_t)lane->nbytes : 0;
+    if (!lane->gathers) {
+        /* A large group's record (_transport/reduced_check.py): h, -h, v, -v, code, payload. */
+        int64_t *words = (int64_t *)row;
+        memset(row, 0, (size_t)consts.check_words * 8);
+        words[0] = lane->value;
+        words[1] = -lane->value;
+        words[2] = lane->per_rank;
+        words[3] = -lane->per_rank;
+        words[RECORD_CODE] = carried ? lane->code : 0;
+        if (carried) memcpy(words + RECORD_PAYLOAD, PyArray_DATA(array), (size_t)carried);
+        return;
+    }
+    int64_t header[2] = {(int64_t)lane->value, (int64_t)lane->per_rank};
     memcpy(row, header, sizeof header);
     if (carried) memcpy(row + consts.header_bytes, PyArray_DATA(array), (size_t)carried);
     memset(row + consts.header_bytes + carried, 0, (size_t)(consts.payload_bytes - carried));
@@ -274,7 +293,8 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
         Py_CLEAR(*seq);
         return -1;
     }
-    int code = mpi_iallgather_bytes(row, rows, consts.row_bytes, lane->check_comm, slot);
+    int code = lane->gathers ? mpi_iallgather_bytes(row, rows, consts.row_bytes, lane->check_comm, slot)
+                             : mpi_iallreduce(row, rows, 1, lane->check_datatype, lane->check_op, lane->check_comm, slot);
     if (code != 0) {
         Py_CLEAR(*seq);
         mpi_failed(lane->engine, code, Py_None, lane->name);
@@ -286,6 +306,9 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
     if (!flag && (lane->spins < SPINS_WITH_A_CORE || waiting_at_call) && yield_until_done(slot, &flag) != 0)
         return 0;
     if (!flag) return 0;
+    if (!lane->gathers) /* every member said what this rank says, and carried what it carries */
+        return memcmp(rows, row, 4 * sizeof(int64_t)) == 0 &&
+               ((const int64_t *)rows)[RECORD_CODE] == ((const int64_t *)row)[RECORD_CODE];
     for (int member = 0; member < lane->size; member++)
         if (memcmp(rows + (size_t)member * consts.row_bytes, row, (size_t)consts.header_bytes) != 0) return 0;
     return 1;
@@ -304,7 +327,9 @@ static int queue_op(Lane *lane, PyObject *op, PyObject *seq, PyObject *send, PyO
                     PyObject *source, PyObject *out) {
     PyObject *payload = Py_None;
     if (lane->kind == LANE_CHECK) {
-        payload = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(send) + consts.header_bytes, consts.payload_bytes);
+        const char *carried = PyByteArray_AS_STRING(send) + (lane->gathers ? consts.header_bytes
+                                                                               : RECORD_PAYLOAD * (int)sizeof(int64_t));
+        payload = PyBytes_FromStringAndSize(carried, consts.payload_bytes);
         if (payload == NULL) return -1;
     }
     /* partial(start, comm, out, [payload,] plan), or for HELD partial(start, comm, source, out, plan) */
@@ -582,8 +607,12 @@ static PyObject *call_run(Lane *lane, Call *call) {
         if (done > 0) trace_posted(lane, call, called, 0);
     } else if (idle > 0 && agreed > 0) {
         trace_posted(lane, call, called, 1);
-        rows_reduce(lane->rows_kind, PyArray_DATA((PyArrayObject *)call->out), PyByteArray_AS_STRING(call->recv),
-                    lane->size, consts.row_bytes, consts.header_bytes, lane->count);
+        if (lane->gathers)
+            rows_reduce(lane->rows_kind, PyArray_DATA((PyArrayObject *)call->out), PyByteArray_AS_STRING(call->recv),
+                        lane->size, consts.row_bytes, consts.header_bytes, lane->count);
+        else /* the check's reduction reduced every payload */
+            memcpy(PyArray_DATA((PyArrayObject *)call->out),
+                   (const int64_t *)PyByteArray_AS_STRING(call->recv) + RECORD_PAYLOAD, (size_t)lane->nbytes);
         if (lane->divide)
             divide_in_place(lane->type_num, PyArray_DATA((PyArrayObject *)call->out), lane->count, lane->size);
         field_set(&HANDLE(call->handle)->op, lane->done_op); /* nothing is left to do */
@@ -675,7 +704,7 @@ static PyObject *Lane_start(PyObject *self, PyObject *const *args, Py_ssize_t na
 static const char *lane_keywords[] = {
     "kind", "ctx", "group", "op_key", "template", "datatype", "mpi_op", "divide", "record", "value", "per_rank",
     "rows", "spins", "queued_post", "done_op", "trace", "keys", "into", "collective", "root", "comm", "check_comm",
-    "device", NULL};
+    "device", "check_reduction", "code", NULL};
 
 /* Where `queued_post` is (start, comm, plan); 0, or -1 with an error set. */
 static int take_post(Lane *lane, PyObject *queued_post) {
@@ -721,13 +750,14 @@ static int lane_name(Lane *lane) {
 static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     Lane *lane = (Lane *)self;
     PyObject *ctx, *group, *op_key, *template, *datatype, *mpi_op, *record, *queued_post, *done_op, *trace = Py_None;
-    PyObject *comm, *check_comm, *device;
+    PyObject *comm, *check_comm, *device, *check_reduction = Py_None;
     int divide;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOOipiiOOO", (char **)lane_keywords, &lane->kind,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$iOOOO!OOpOLLiiOOOipiiOOOOL", (char **)lane_keywords, &lane->kind,
                                      &ctx, &group, &op_key, &PyArray_Type, &template, &datatype, &mpi_op,
                                      &divide, &record, &lane->value, &lane->per_rank, &lane->rows_kind,
                                      &lane->spins, &queued_post, &done_op, &trace, &lane->keys, &lane->into,
-                                     &lane->collective, &lane->root, &comm, &check_comm, &device))
+                                     &lane->collective, &lane->root, &comm, &check_comm, &device, &check_reduction,
+                                     &lane->code))
         return -1;
     if (lane->ctx != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a lane is made once");
@@ -786,12 +816,23 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (ok) ok = (lane->owner = PyLong_AsUnsignedLong(CONTEXT(ctx)->owner_thread)) != (unsigned long)-1 ||
                  !PyErr_Occurred();
     if (ok) ok = mpi_comm_size(lane->comm, &lane->size) == 0;
+    lane->gathers = lane->size <= consts.gathered_ranks;
+    /* A large group's check: the (datatype, op) of its records (_transport/reduced_check.py). */
+    if (ok && !lane->gathers && record != Py_None) {
+        ok = PyTuple_CheckExact(check_reduction) && PyTuple_GET_SIZE(check_reduction) == 2 && consts.check_words > 0;
+        if (!ok) PyErr_SetString(PyExc_TypeError, "a large group's checked lane takes check_reduction=(datatype, op)");
+        if (ok) ok = (lane->check_datatype = mpi_datatype_of(PyTuple_GET_ITEM(check_reduction, 0))) != -1 ||
+                     !PyErr_Occurred();
+        if (ok) ok = (lane->check_op = mpi_op_of(PyTuple_GET_ITEM(check_reduction, 1))) != -1 || !PyErr_Occurred();
+    }
     if (ok) ok = lane_name(lane) == 0;
     if (ok) ok = take_post(lane, queued_post) == 0;
     if (ok) ok = (lane->nbytes_obj = PyLong_FromSsize_t((Py_ssize_t)lane->nbytes)) != NULL;
-    /* The check's rows are gathered, and a carried call reduces at least two. */
-    if (ok && record != Py_None && (lane->size < 2 || lane->size > consts.gathered_ranks)) {
-        PyErr_SetString(PyExc_ValueError, "a checked lane needs a group whose checks gather rows (2 to gathered_ranks ranks)");
+    /* A carried call reduces at least two; a held call's check gathers rows; a large group's carried call a code. */
+    if (ok && record != Py_None && (lane->size < 2 || (lane->kind == LANE_HELD && !lane->gathers) ||
+                                    (lane->kind == LANE_CHECK && !lane->gathers && lane->code <= 0))) {
+        PyErr_SetString(PyExc_ValueError, "a checked lane needs 2 ranks or more (a held one a group whose checks gather "
+                                          "rows, a carried one in a large group its payload's code)");
         ok = 0;
     }
     int rooted = lane->collective == OF_BROADCAST || lane->collective == OF_GATHER || lane->collective == OF_REDUCE;

@@ -158,6 +158,7 @@ static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_VARARGS | METH_KEYWORDS, bind_doc},
     {"rows_kind", rows_kind_py, METH_VARARGS, rows_kind_doc},
     {"resolve_for", resolve_for, METH_O, resolve_for_doc},
+    {"check_op", check_op, METH_O, check_op_doc},
     {"forget", lane_cache_forget, METH_O, forget_doc},
     {"set_before_call", set_before_call, METH_O, set_before_call_doc},
     {"wait_at_call", wait_at_call, METH_O, wait_at_call_doc},

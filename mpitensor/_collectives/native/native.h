@@ -52,6 +52,11 @@ int mpi_alltoall_bytes(const void *send, void *recv, int count, mpi_handle comm)
 int mpi_gather_bytes(const void *send, void *recv, int count, int root, mpi_handle comm);
 int mpi_reduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, int root, mpi_handle comm);
 int mpi_comm_rank(mpi_handle comm, int *rank);
+/* Nonblocking all-reduce of `count` elements from `send` into `recv` (a large group's check). */
+int mpi_iallreduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm,
+                   void *request);
+/* A new commutative MPI op of user function `function`, as an mpi4py Op; NULL with an error set. */
+PyObject *mpi_new_op(void (*function)(void *, void *, int *, void *), int commute);
 int mpi_comm_size(mpi_handle comm, int *size);
 int mpi_test(void *request, int *flag);
 int mpi_wait(void *request);
@@ -127,6 +132,7 @@ typedef struct {
     int header_bytes, payload_bytes, row_bytes;
     int reap_after;                 /* posted ops beyond which the Python path reaps */
     int gathered_ranks;             /* the largest group whose checks gather rows */
+    int check_words;                /* the int64 words of a large group's check record (check.c) */
     int spin_pauses;                /* Engine.spin_pauses where each rank has a core */
     yield_setter set_yield;         /* Open MPI's opal_progress_set_yield_when_idle, or NULL (_core/idle.py) */
     int bound;
@@ -140,6 +146,10 @@ enum { CHECKING = 0, QUEUED = 1, POSTED = 2, COMPLETE = 3, FAILED = 4 };
 /* The loop reducing `count` elements of type `type_num` with op `op_code` (a ReduceOperation
  * value), or -1 if this module has none (the Python lane then takes such calls). */
 int rows_kind(int type_num, int op_code);
+/* Whether loop `kind` combines two buffers as they are (not MAX/MIN of floats, which go through keys). */
+int rows_pairwise(int kind);
+/* out = a op b, element by element, for `count` elements of loop `kind` (`rows_pairwise`); out may be a or b. */
+void rows_combine(int kind, void *out, const void *a, const void *b, Py_ssize_t count);
 /* out = row[0] op row[1] op ... op row[size-1], element by element, in rank order (size >= 2). */
 void rows_reduce(int kind, void *out, const char *rows, int size, int row_bytes, int header_bytes,
                  Py_ssize_t count);
@@ -167,6 +177,8 @@ void lane_cache_insert(PyObject *lane);
 PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op);
 PyObject *lane_cache_forget(PyObject *module, PyObject *ctx);
 extern const char find_lane_doc[];
+extern const char check_op_doc[];
+PyObject *check_op(PyObject *module, PyObject *words);
 PyObject *find_lane(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 extern const char forget_doc[];
 PyObject *set_before_call(PyObject *module, PyObject *function);

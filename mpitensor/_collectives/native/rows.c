@@ -19,24 +19,8 @@ enum { OP_SUM = 1, OP_PROD = 2, OP_MAX = 3, OP_MIN = 4, OP_BAND = 5, OP_BOR = 6,
 /* Element classes; a loop's kind is class * 8 + op. */
 enum { C_BOOL = 1, C_I8, C_I16, C_I32, C_I64, C_U8, C_U16, C_U32, C_U64, C_F32, C_F64, C_C64, C_C128 };
 
-static int class_of(int type_num) {
-    switch (type_num) {
-    case NPY_BOOL: return C_BOOL;
-    case NPY_FLOAT: return C_F32;
-    case NPY_DOUBLE: return C_F64;
-    case NPY_CFLOAT: return C_C64;
-    case NPY_CDOUBLE: return C_C128;
-    default: break;
-    }
-    PyArray_Descr *descr = PyArray_DescrFromType(type_num);
-    if (descr == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int size = (int)PyDataType_ELSIZE(descr);
-    int is_signed = PyTypeNum_ISSIGNED(type_num), is_unsigned = PyTypeNum_ISUNSIGNED(type_num);
-    Py_DECREF(descr);
-    if (!is_signed && !is_unsigned) return 0;
+/* The class of an integer of `size` bytes (0 for none). */
+static int int_class(size_t size, int is_signed) {
     switch (size) {
     case 1: return is_signed ? C_I8 : C_U8;
     case 2: return is_signed ? C_I16 : C_U16;
@@ -44,6 +28,33 @@ static int class_of(int type_num) {
     case 8: return is_signed ? C_I64 : C_U64;
     default: return 0;
     }
+}
+
+/* No Python call: MPI calls the large groups' check op (check.c) without the GIL. */
+static int class_of(int type_num) {
+    switch (type_num) {
+    case NPY_BOOL: return C_BOOL;
+    case NPY_FLOAT: return C_F32;
+    case NPY_DOUBLE: return C_F64;
+    case NPY_CFLOAT: return C_C64;
+    case NPY_CDOUBLE: return C_C128;
+    case NPY_BYTE: return int_class(sizeof(signed char), 1);
+    case NPY_UBYTE: return int_class(sizeof(unsigned char), 0);
+    case NPY_SHORT: return int_class(sizeof(short), 1);
+    case NPY_USHORT: return int_class(sizeof(unsigned short), 0);
+    case NPY_INT: return int_class(sizeof(int), 1);
+    case NPY_UINT: return int_class(sizeof(unsigned int), 0);
+    case NPY_LONG: return int_class(sizeof(long), 1);
+    case NPY_ULONG: return int_class(sizeof(unsigned long), 0);
+    case NPY_LONGLONG: return int_class(sizeof(long long), 1);
+    case NPY_ULONGLONG: return int_class(sizeof(unsigned long long), 0);
+    default: return 0;
+    }
+}
+
+int rows_pairwise(int kind) {
+    int cls = kind / 8, op_code = kind % 8;
+    return kind >= 0 && !((cls == C_F32 || cls == C_F64) && (op_code == OP_MAX || op_code == OP_MIN));
 }
 
 int rows_kind(int type_num, int op_code) {
@@ -119,6 +130,11 @@ static void combine(int kind, void *out, const void *a, const void *b, Py_ssize_
     case C_C128: FLOAT_LOOP(double, OP_SUM); break;
     default: break;
     }
+}
+
+void rows_combine(int kind, void *out, const void *a, const void *b, Py_ssize_t count) {
+    int cls = kind / 8;
+    combine(kind, out, a, b, (cls == C_C64 || cls == C_C128) ? 2 * count : count);
 }
 
 void rows_reduce(int kind, void *out, const char *rows, int size, int row_bytes, int header_bytes,
