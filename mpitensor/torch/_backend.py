@@ -2,9 +2,10 @@
 
 ``import mpitensor.torch`` registers the backend. Under ``mpiexec``, ``srun`` or ``sbatch``,
 ``dist.init_process_group("mpitensor")`` then needs nothing else: rank and world size
-come from MPI (as for torch's own MPI backend), there is no MASTER_ADDR/MASTER_PORT
-rendezvous, and an mpitensor context over every rank is opened if none is open (it is
-closed again by ``dist.destroy_process_group()``).
+come from MPI (as for torch's own MPI backend), there is no MASTER_ADDR/MASTER_PORT to
+set (MPI tells every rank where rank 0 serves torch's store), and an mpitensor context
+over every rank is opened if none is open (it is closed again by
+``dist.destroy_process_group()``).
 
 torch looks for a rendezvous (``env://``) whenever ``init_process_group`` gets no store;
 only its built-in MPI backend is exempt. So this module wraps
