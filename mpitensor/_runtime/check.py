@@ -130,7 +130,8 @@ def dtype_code(dtype: np.dtype | None) -> int:
     name = "longdouble" if dtype == np.longdouble and dtype != np.float64 else str(dtype)
     if name in _DTYPE_LIST:
         return _DTYPE_LIST.index(name) + 1
-    return (zlib.crc32(dtype.str.encode()) & 0xFFFF) + 1000
+    # The name too: every 1-byte type of ml_dtypes (the float8 family, int4...) has the str "<V1".
+    return (zlib.crc32(f"{dtype.name}|{dtype.str}".encode()) & 0xFFFF) + 1000
 
 
 def dtype_from_code(code: int) -> np.dtype:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import mpitensor as mt
 from mpitensor._runtime.check import FAILED_CALL, AbandonRecord, Record, dtype_code, dtype_from_code, mismatch_error
@@ -84,3 +85,13 @@ def test_fused_mismatch_names_the_entry_with_both_shapes_and_dtypes():
         message
     )
     assert "argument" not in message
+
+
+def test_every_one_byte_type_of_ml_dtypes_has_its_own_code():
+    """The float8 family, int4 and their kin all have NumPy's str "<V1": the code tells them apart by name."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    names = [name for name in ("float8_e4m3fn", "float8_e4m3", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                               "float8_e3m4", "float8_e8m0fnu", "int4", "uint4", "int2", "uint2")
+             if hasattr(ml_dtypes, name)]
+    codes = {name: dtype_code(np.dtype(getattr(ml_dtypes, name))) for name in names}
+    assert len(set(codes.values())) == len(codes), codes
