@@ -14,8 +14,9 @@ from .._core import state as _state
 from .._core.backend import is_cupy_array
 from .._core.device import Device
 from .._core.dtypes import transfer_dtype
-from .._core.errors import ContextClosedError, DeviceError
+from .._core.errors import ContextClosedError, DeviceError, ForkedProcessError
 from .._core.interop import take as take_foreign
+from .._core.mpi import forked_from
 from .._core.protect import Protection, foreign, restorable
 from .._core.records import HandleRecord
 from .._core.state import open_contexts
@@ -70,6 +71,8 @@ class CollectiveTensor(HandleRecord):
             CollectiveTimeoutError: the timeout passed (the context is then broken).
             CollectiveMismatchError: the ranks disagreed (found by the check).
             ContextClosedError: the context was closed before this handle was resolved.
+            ForkedProcessError: called in a process forked from the rank, for a collective
+                not resolved before the fork.
             ValueError: `timeout` is not positive.
         """
         op = self._op
@@ -87,6 +90,9 @@ class CollectiveTensor(HandleRecord):
             assert op.error is not None
             raise op.error
         if ctx.closed:
+            forked = forked_from()
+            if forked is not None:  # the rank's handle, in a process forked from it: MPI is the rank's
+                raise ForkedProcessError(_state.forked_message(forked))
             raise ContextClosedError(
                 f"cannot resolve {op.describe()}: its context was closed first "
                 "(close() completed it, but results must be resolved before closing)"

@@ -33,6 +33,7 @@ def refused(what, call):
 with mt.DistributedContext.init(config=CONFIG) as ctx:
     inputs = [np.arange(4.0) * (r + 1) for r in range(ctx.size)]
     mt.all_reduce(inputs[ctx.rank]).resolve()
+    pending = mt.all_reduce(inputs[ctx.rank] * 2)  # not resolved before the fork
     if ctx.rank == 0:
         pid = os.fork()
         if pid == 0:
@@ -43,15 +44,17 @@ with mt.DistributedContext.init(config=CONFIG) as ctx:
             refused("comm", lambda: ctx.comm)
             refused("init", mt.DistributedContext.init)
             refused("abort", ctx.abort)
+            refused("resolve", pending.resolve)
             LEAVE
         _, status = os.waitpid(pid, 0)
         report("child status", os.waitstatus_to_exitcode(status))
+    report("pending", np.array_equal(pending.resolve().numpy(), 2 * np.sum(inputs, axis=0)))
     total = mt.all_reduce(inputs[ctx.rank]).resolve().numpy()
     report("total", np.array_equal(total, np.sum(inputs, axis=0)))
 report("closed")
 """
 
-_REFUSALS = ["all_reduce", "barrier", "broadcast_object", "comm", "init", "abort"]
+_REFUSALS = ["all_reduce", "barrier", "broadcast_object", "comm", "init", "abort", "resolve"]
 
 
 @pytest.mark.parametrize(
@@ -71,6 +74,7 @@ def test_a_forked_child_leaves_without_touching_the_ranks_mpi(tmp_path, leave, s
     ), result.output
     assert result.reported("child status") == [f"child status {status}"]
     # The child's report lines land in rank 0's file too: rank 0 reports once, as rank 1 does.
+    assert result.reported("pending") == ["pending True"] * 2, "the parent resolves its handle the child could not"
     assert result.reported("total") == ["total True"] * 2
     assert result.reported("closed") == ["closed"] * 2
     if status == 1:
