@@ -120,7 +120,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         action, self._on_shutdown = self._on_shutdown, None
         self._completer.stop()
         if self._side is not None:
-            self._monitor.settle(self._side, self._timeout)
+            if _context_open():  # a program that closed its context first has nothing left to settle
+                self._monitor.settle(self._side, self._timeout)
             self._hooks.free()
             self._side = None
         if action is not None:
@@ -602,6 +603,14 @@ _DTYPE_PROBLEMS: dict[torch.dtype, str | None] = {}
 _BITWISE = frozenset({mt.ReduceOperation.BAND, mt.ReduceOperation.BOR, mt.ReduceOperation.BXOR})
 # Whether mt.barrier takes a timeout of its own (a group's timeout), else it waits for the context's.
 _BARRIER_TIMEOUT = "timeout" in inspect.signature(mt.barrier).parameters
+
+
+def _context_open() -> bool:
+    try:
+        mt.current_context()
+    except (mt.NoContextError, mt.ForkedProcessError):
+        return False
+    return True
 
 
 def _seconds(timeout: Any) -> float | None:
