@@ -31,7 +31,7 @@ from ._collectives import scatter as _scatter
 from ._collectives.common import CollectiveTensor
 from ._collectives.gradient_sync import GradientSync
 from ._collectives.lane import with_lane
-from ._collectives.p2p import recv, send
+from ._collectives.p2p import ANY_SOURCE, ReceiveTensor, recv, send
 from ._core.config import DistributedConfig, ReduceOperation
 from ._core.device import Device
 from ._core.errors import (
@@ -77,6 +77,7 @@ _set_gatherer(lambda obj: all_gather_object(obj).resolve())
 __version__ = "0.1.0"
 
 __all__ = [
+    "ANY_SOURCE",
     "CollectiveMismatchError",
     "CollectiveTensor",
     "CollectiveTimeoutError",
@@ -92,6 +93,7 @@ __all__ = [
     "MpitensorError",
     "NoContextError",
     "ObjectUnpicklingError",
+    "ReceiveTensor",
     "ReduceOperation",
     "Tensor",
     "TensorInFlightError",

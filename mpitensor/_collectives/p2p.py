@@ -26,8 +26,9 @@ from .gpu_host import staged
 from .gpu_staged import received_on_gpu
 from .options import output_buffer, output_tensor, protect_output, refuse_on_gpu
 
-__all__ = ["recv", "send"]
+__all__ = ["ANY_SOURCE", "ReceiveTensor", "recv", "send"]
 
+ANY_SOURCE = -1  # `recv`'s source: whichever rank's message of the tag comes first
 MAX_TAG = (1 << 14) - 1
 MAX_DIMS = 8  # dimensions a point-to-point header describes
 _HEADER = 2 + MAX_DIMS  # dtype code, ndim, dims
@@ -115,15 +116,20 @@ class _Receive:
         self.out, self.guard = out, guard  # the caller's out=, and how to protect it once posted
         self.header = np.empty(_HEADER, np.int64)
         self.channel = ctx.p2p_group
-        self.header_req = mpi.recv(self.channel, self.header, None, peer, 2 * tag)
+        # From any rank: the header's status names the sender, whose data comes next.
+        self.status = mpi.status() if peer == ANY_SOURCE else None
+        self.header_req = mpi.recv(self.channel, self.header, None, mpi.any_source() if peer == ANY_SOURCE else peer,
+                                   2 * tag)
         self.data_req: Any = None
         self.error: Exception | None = None
         self.data: np.ndarray | None = None
 
     def advance(self) -> bool:
         if self.data_req is None:
-            if not self.header_req.Test():
+            if not (self.header_req.Test() if self.status is None else self.header_req.Test(self.status)):
                 return False
+            if self.status is not None:
+                self.peer = self.status.Get_source()
             dtype, shape = _describe(self.header)
             if self.expect is not None and self.ctx.config.check:
                 want_shape, want_dtype = self.expect
@@ -191,7 +197,7 @@ def _fits_out(ctx: DistributedContext, out: Any, expect: tuple[Any, Any] | None,
 
 
 def _recv_args(ctx: DistributedContext, template: Any, source: Any, tag: Any) -> tuple[Any, int, int]:
-    """`recv`'s template, peer and tag; an int where the template goes is the source.
+    """`recv`'s template, peer (`ANY_SOURCE`: any) and tag; an int where the template goes is the source.
 
     Raises:
         TypeError, ValueError: no source, or a bad rank or tag.
@@ -199,8 +205,33 @@ def _recv_args(ctx: DistributedContext, template: Any, source: Any, tag: Any) ->
     if source is None and isinstance(template, (int, np.integer, Device)) and not isinstance(template, bool):
         template, source = None, template
     if source is None:
-        raise TypeError("recv needs source=, the rank to receive from")
+        raise TypeError("recv needs source=, the rank to receive from (or ANY_SOURCE for any)")
+    if isinstance(source, (int, np.integer)) and not isinstance(source, bool) and source == ANY_SOURCE:
+        return template, ANY_SOURCE, _tag(tag)
     return template, _peer(ctx, source, "recv", "source"), _tag(tag)
+
+
+class ReceiveTensor(CollectiveTensor):
+    """The handle of a `recv`: a `CollectiveTensor` that also says which rank sent the message.
+
+    `source` is the sending rank once the message has begun to arrive (at the latest when the
+    handle is resolved): the rank given to `recv`, or for `ANY_SOURCE` the rank whose message
+    was taken; None before.
+    """
+
+    __slots__ = ("_receive",)
+
+    def __init__(self, op: Op, value: Any, ctx: DistributedContext, receive: list[_Receive]) -> None:
+        super().__init__(op, value, ctx)
+        self._receive = receive
+
+    @property
+    def source(self) -> int | None:
+        """The sending rank (in the context), or None while it is not known yet."""
+        if not self._receive:
+            return None
+        peer = self._receive[0].peer
+        return None if peer == ANY_SOURCE else peer
 
 
 def recv(
@@ -221,7 +252,8 @@ def recv(
     Args:
         input: an optional template tensor of the expected shape and dtype (not written).
             An int here is taken as `source`, so ``recv(0)`` receives from rank 0.
-        source: the sending rank (in the context) or its `Device`.
+        source: the sending rank (in the context) or its `Device`; `ANY_SOURCE` for the first
+            message of the tag from any rank (the handle's ``source`` then names its sender).
         shape: the expected shape (instead of a template).
         dtype: the expected dtype (instead of a template).
         tag: the tag the sender used (0..16383).
@@ -229,7 +261,8 @@ def recv(
             default its shape and dtype are the expected ones); see docs/options.md.
 
     Returns:
-        A `CollectiveTensor` resolving to the received tensor (or to `out`).
+        A `ReceiveTensor` (a `CollectiveTensor`) resolving to the received tensor (or to
+        `out`), whose ``source`` is the sending rank.
 
     Raises:
         TypeError, ValueError: bad template, rank, tag or `out`; ValueError at resolve
@@ -244,6 +277,8 @@ def recv(
         template = take_input(input, ctx, "recv", "the template")
         expect, device = (template.array.shape, template.buffer.dtype), result_device(ctx, template)
         if template.on_gpu:
+            if peer == ANY_SOURCE:
+                raise ValueError("recv: a GPU template takes a named source, not ANY_SOURCE")
             refuse_on_gpu("recv", out=out)
             inner = recv(None, peer, shape=expect[0], dtype=expect[1], tag=tag)
             return follow(received_on_gpu(ctx, inner), template.back)
@@ -258,5 +293,7 @@ def recv(
         return receive[0]
 
     # A lambda: the receive exists only once posted.
-    op = Op(f"recv from rank {peer}", ctx.p2p_group, 0, post, lambda: receive[0].finish())  # noqa: PLW0108
-    return follow(start(ctx, op, later), template.back if input is not None else None)
+    sender = "any rank" if peer == ANY_SOURCE else f"rank {peer}"
+    op = Op(f"recv from {sender}", ctx.p2p_group, 0, post, lambda: receive[0].finish())  # noqa: PLW0108
+    ctx.engine.submit(op)
+    return follow(ReceiveTensor(op, later, ctx, receive), template.back if input is not None else None)

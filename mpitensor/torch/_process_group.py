@@ -11,7 +11,6 @@ GPU paths (staged through the host, or CUDA-aware MPI).
 
 from __future__ import annotations
 
-import inspect
 import math
 import zlib
 from collections.abc import Callable, Sequence
@@ -476,7 +475,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         """
         self._sequence += 1
         timeout = _seconds(getattr(opts, "timeout", None)) or self._timeout
-        if timeout is None or not _BARRIER_TIMEOUT:
+        if timeout is None:
             mt.barrier(self._devices)
             return self._completed
         try:
@@ -540,13 +539,26 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         return self._work([mt.send(tensor, dest, tag=tag)], None, tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
-        """``dist.recv`` with no source: not supported yet (mpitensor receives from a named rank).
+        """``dist.recv`` with no source: `tensors[0]` becomes the first message of `tag` from any rank.
+
+        The work's ``_source_rank()`` is then the sender's group rank (torch asks it). On the
+        default group (a sub-group's messages travel on the context's point-to-point
+        communicator, where any rank would include non-members).
 
         Raises:
-            NotImplementedError: always; pass ``src=``.
+            NotImplementedError: on a sub-group; pass ``src=``.
+            ValueError, TypeError: a tensor mpitensor cannot write.
         """
-        raise NotImplementedError("recv: the mpitensor backend receives from a named rank only; pass src= (the "
-                                  "sending rank) to dist.recv or dist.irecv")
+        if self._devices is not None:
+            raise NotImplementedError("recv with no source: the mpitensor backend takes it on the default group "
+                                      "only; pass src= (the sending rank) on a sub-group")
+        tensor = _one(tensors, "recv", contiguous=False)
+        view = _host_out(tensor) if tensor.is_contiguous() else None
+        if view is not None:
+            handle = mt.recv(None, mt.ANY_SOURCE, tag=tag, out=view.reshape(-1))
+            return self._work([handle], _noticed(handle), tensors)
+        handle = mt.recv(None, mt.ANY_SOURCE, shape=(tensor.numel(),), dtype=tensor.dtype, tag=tag)
+        return self._work([handle], _received_from_any(tensor, handle), tensors)
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:  # noqa: N803 - torch's names
         """``dist.recv``/``irecv``: `tensors[0]` becomes what group rank `srcRank` sent (its elements, in order).
@@ -601,8 +613,6 @@ def _operation(opts: Any) -> tuple[mt.ReduceOperation, float | None]:
 # Why mpitensor cannot carry a dtype (None where it can), found once per dtype.
 _DTYPE_PROBLEMS: dict[torch.dtype, str | None] = {}
 _BITWISE = frozenset({mt.ReduceOperation.BAND, mt.ReduceOperation.BOR, mt.ReduceOperation.BXOR})
-# Whether mt.barrier takes a timeout of its own (a group's timeout), else it waits for the context's.
-_BARRIER_TIMEOUT = "timeout" in inspect.signature(mt.barrier).parameters
 
 
 def _context_open() -> bool:
@@ -812,6 +822,24 @@ def _copy_into(tensors: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:
     def finish(results: list[Any]) -> None:
         for tensor, result in zip(tensors, results):
             _copy_one(tensor, result)
+
+    return finish
+
+
+def _noticed(handle: mt.ReceiveTensor) -> Callable[[list[Any]], None]:
+    """What raises the error of a sender's notice received (from any rank) into the tensor's own memory."""
+    def finish(results: list[Any]) -> None:
+        error = notice_error(results[0], handle.source)
+        if error is not None:
+            raise error
+
+    return finish
+
+
+def _received_from_any(tensor: torch.Tensor, handle: mt.ReceiveTensor) -> Callable[[list[Any]], None]:
+    """What writes a message received from any rank into `tensor`, or raises the error of a sender's notice."""
+    def finish(results: list[Any]) -> None:
+        _received_into(tensor, handle.source)(results)
 
     return finish
 

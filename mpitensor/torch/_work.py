@@ -53,6 +53,7 @@ class Work(dist.Work):
     ) -> None:
         super().__init__()
         self._handles = handles
+        self._handles_seen = handles  # kept once the work completes, for `_source_rank`
         self._finish = finish
         self._outputs = outputs
         self._timeout = timeout
@@ -131,6 +132,18 @@ class Work(dist.Work):
                 pass
             return True
         return False
+
+    def _source_rank(self) -> int:  # torch's name
+        """The group rank a receive from any rank took its message from (``dist.recv`` with no source).
+
+        Raises:
+            RuntimeError: not a receive from any rank, or its message has not arrived yet.
+        """
+        for handle in self._handles_seen:
+            source = getattr(handle, "source", None)
+            if source is not None:
+                return source
+        raise RuntimeError("_source_rank(): this work is no receive from any rank whose message has arrived")
 
     def is_success(self) -> bool:
         """True when complete without an error."""

@@ -37,6 +37,28 @@ def test_tags_keep_messages_apart_and_templates_are_checked(module_ctx):
     mt.barrier()
 
 
+def test_a_receive_from_any_rank_takes_every_message_and_names_its_sender(module_ctx):
+    ctx = module_ctx
+    seed = seed_of("any-source")
+    if ctx.rank == 0:
+        got = {}
+        for _ in range(ctx.size - 1):
+            handle = mt.recv(source=mt.ANY_SOURCE, tag=9)
+            tensor = handle.resolve()
+            assert isinstance(handle, mt.ReceiveTensor) and handle.source not in got, handle.source
+            got[handle.source] = tensor.numpy()
+        assert sorted(got) == list(range(1, ctx.size))
+        for sender, data in got.items():
+            np.testing.assert_array_equal(data, rank_input(seed, sender, (2, 3), np.float32))
+    else:
+        mt.send(rank_input(seed, ctx.rank, (2, 3), np.float32), 0, tag=9).resolve()
+    named = mt.recv(source=(ctx.rank - 1) % ctx.size, tag=10)
+    mt.send(np.full(1, float(ctx.rank)), (ctx.rank + 1) % ctx.size, tag=10).resolve()
+    assert named.resolve().numpy().tolist() == [float((ctx.rank - 1) % ctx.size)]
+    assert named.source == (ctx.rank - 1) % ctx.size
+    mt.barrier()
+
+
 def test_a_shape_mismatch_names_both_sides(module_ctx):
     ctx = module_ctx
     if ctx.rank == 0:

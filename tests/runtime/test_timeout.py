@@ -54,13 +54,14 @@ def test_the_config_and_environment_timeouts(tmp_path):
         """
         import time
         import mpitensor as mt
-        for config in (mt.DistributedConfig(timeout=1.0), mt.DistributedConfig()):
+        for config, own in ((mt.DistributedConfig(timeout=1.0), None), (mt.DistributedConfig(), None),
+                            (mt.DistributedConfig(timeout=30.0), 0.8)):
             ctx = mt.DistributedContext.init(config=config)  # the second: MPITENSOR_TIMEOUT
             if ctx.rank == 1:
                 continue  # joins no barrier
             start = time.monotonic()
             try:
-                mt.barrier()
+                mt.barrier(timeout=own)  # the third: the call's own timeout, not the context's
             except mt.CollectiveTimeoutError:
                 report(f"barrier timeout {time.monotonic() - start:.2f}")
         if ctx.rank == 1:
@@ -73,9 +74,10 @@ def test_the_config_and_environment_timeouts(tmp_path):
         tmp_path=tmp_path,
     )
     lines = result.reported("barrier timeout")
-    assert len(lines) == 2, result.output
+    assert len(lines) == 3, result.output
     assert 1.0 <= float(lines[0].split()[-1]) <= 1.9
     assert 1.5 <= float(lines[1].split()[-1]) <= 2.4
+    assert 0.8 <= float(lines[2].split()[-1]) <= 1.7
     assert result.returncode != 0
 
 

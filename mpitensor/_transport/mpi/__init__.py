@@ -37,7 +37,7 @@ from .all_reduce import (
     out_of_place,
 )
 from .held import held_all_gather, held_all_to_all, held_broadcast, held_gather, held_reduce
-from .p2p import recv, send
+from .p2p import any_source, recv, send, status
 from .rooted import broadcast, broadcast_each, gather, gatherv, reduce, scatter, scatterv
 from .symmetric import (
     all_gather,
@@ -54,10 +54,10 @@ from .symmetric import (
 )
 
 __all__ = [
-    "SMALL_BYTES", "Held", "HeldUnchecked", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather",
+    "SMALL_BYTES", "Held", "HeldUnchecked", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather", "any_source",
     "all_gather_each", "all_gatherv", "all_reduce_buckets", "all_reduce_buffers", "all_to_all", "all_to_allv",
     "barrier", "broadcast", "broadcast_each", "exscan", "gather", "gatherv", "held_all_gather", "held_all_reduce",
     "held_all_to_all", "held_broadcast", "held_gather", "held_reduce", "in_place",
     "out_of_place", "recv", "reduce", "reduce_scatter", "reduce_scatter_block", "reduce_scatter_block_each", "scan",
-    "scatter", "scatterv", "send",
+    "scatter", "scatterv", "send", "status",
 ]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._core.mpi import MPI
 from ..base import Channel
 
-__all__ = ["recv", "send"]
+__all__ = ["any_source", "recv", "send", "status"]
 
 
 def send(channel: Channel, buffer: Any, datatype: Any | None, dest: int, tag: int) -> Any:
@@ -44,3 +45,13 @@ def recv(channel: Channel, buffer: Any, datatype: Any | None, source: int, tag: 
         The request.
     """
     return channel.comm.Irecv(buffer if datatype is None else [buffer, datatype], source, tag)
+
+
+def any_source() -> int:
+    """MPI's ``MPI_ANY_SOURCE``: a receive's source that takes the first matching message of any rank."""
+    return MPI.ANY_SOURCE
+
+
+def status() -> Any:
+    """A fresh ``MPI_Status`` (whose source a completed receive from any rank fills)."""
+    return MPI.Status()
