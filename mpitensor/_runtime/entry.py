@@ -98,16 +98,20 @@ class collective_call:  # noqa: N801 - used as a statement, like a function
     Args:
         kind: the collective's name, for messages (``"all_reduce"``, ``"broadcast"``...).
         devices: the group, as the collective's ``devices`` (None: every rank).
+        before: called on entry; whatever it raises takes the call's turn, an `MpitensorError`
+            too (an integration's own finding that this rank cannot make the call: a failure
+            of its callbacks' collectives it learned of since its last call).
 
     Raises:
         ThreadMisuseError: entered from another thread than the one that opened the context.
     """
 
-    __slots__ = ("ctx", "devices", "kind", "posted", "scope")
+    __slots__ = ("before", "ctx", "devices", "kind", "posted", "scope")
 
-    def __init__(self, kind: str, devices: Any = None) -> None:
+    def __init__(self, kind: str, devices: Any = None, before: Callable[[], None] | None = None) -> None:
         self.kind = kind
         self.devices = devices
+        self.before = before
         self.ctx: Any = None
         self.posted = 0
         self.scope: CallScope | None = None
@@ -118,6 +122,14 @@ class collective_call:  # noqa: N801 - used as a statement, like a function
             # The collectives inside wait for the compiled programs before them themselves.
             self.posted = _enter(self.ctx, self.kind, wait=False).checks_posted
             self.scope = CallScope()
+            if self.before is not None:
+                try:
+                    self.before()
+                except Exception as exc:
+                    self.scope.fail()
+                    if self.ctx.config.check:
+                        _take_failed_turn(self.ctx, self.kind, self.devices, exc)
+                    raise
         return self
 
     def __exit__(self, kind: Any, exc: BaseException | None, traceback: Any) -> bool:

@@ -10,12 +10,17 @@ in an order every rank shares: the futures of one ``get_future()`` call form a *
 chain's callbacks run before any of a later chain's. A chain is done once a later chain was
 opened (its hook has returned, so all its callbacks are attached) and each callback attached
 to it has run.
+
+The thread also runs a *server* of the group's (`serve`) at least every `_SERVE_EVERY`
+seconds, idle or not: a peer whose callback waits for a collective this rank's callbacks
+never start learns of it there (see `HookCollectives.serve`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -30,6 +35,8 @@ _log = logging.getLogger(__name__)
 # finish fast), at most a fraction of a large bucket's transfer time.
 _FIRST_PAUSE = 20e-6
 _LONGEST_PAUSE = 500e-6
+# How often the server runs: a peer asks only after it waited a second.
+_SERVE_EVERY = 0.1
 
 
 class Pollable(Protocol):
@@ -52,12 +59,14 @@ class Completer:
         self._calls: dict[int, deque[Callable[[], None]]] = {}
         self._attached: dict[int, int] = {}  # per chain: callbacks attached that have not run
         self._newest = -1
+        self._sealed = -1  # chains up to it: the thread that opened them made a later call
         self._first_open = 0  # chains below it are done
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
         self._ident: int | None = None
         self._stopping = False
         self.chain: int | None = None  # the chain whose callback runs now (on the thread)
+        self.serve: Callable[[], None] | None = None  # run on the thread now and then
 
     def on_thread(self) -> bool:
         """Whether the caller is the completer thread (a callback is running)."""
@@ -76,6 +85,21 @@ class Completer:
             self._newest += 1
             self._ready.notify()
             return self._newest
+
+    def seal(self) -> None:
+        """Note a collective call by the program's thread: the chains opened so far take no more callbacks.
+
+        (Their hooks have returned: a hook's callbacks are attached before its thread's next call.)
+        """
+        self._sealed = self._newest
+
+    def finished(self, chain: int) -> bool:
+        """Whether `chain` was opened, takes no more callbacks, and each callback attached to it has run."""
+        with self._ready:
+            if chain < self._first_open:
+                return True
+            sealed = chain < self._newest or chain <= self._sealed
+            return chain <= self._newest and sealed and not self._attached.get(chain) and not self._calls.get(chain)
 
     def attach(self, chain: int) -> None:
         """Count a callback attached to a future of `chain` (the chain waits until it has run)."""
@@ -107,17 +131,25 @@ class Completer:
     def _run(self) -> None:
         self._ident = threading.get_ident()
         pause = _FIRST_PAUSE
+        served = time.monotonic()
         while True:
+            if self.serve is not None and time.monotonic() - served >= _SERVE_EVERY:
+                self._serve()
+                served = time.monotonic()
             with self._ready:
                 chain, call, work = self._next()
                 while call is None and work is None:
                     if self._stopping:  # nothing left, and nothing more will come
                         self._thread = self._ident = None
                         return
-                    self._ready.wait()
+                    self._ready.wait(None if self.serve is None else _SERVE_EVERY)
+                    if self.serve is not None and time.monotonic() - served >= _SERVE_EVERY:
+                        break  # to serve (nothing taken from the queues)
                     chain, call, work = self._next()
             if call is not None:
                 self._call(chain, call)
+            elif work is None:
+                continue
             elif work.poll():
                 with self._ready:
                     self._works.popleft()
@@ -143,6 +175,12 @@ class Completer:
 
     def _done(self, chain: int) -> bool:
         return chain < self._newest and not self._attached.get(chain) and not self._calls.get(chain)
+
+    def _serve(self) -> None:
+        try:
+            self.serve()
+        except BaseException:  # the server keeps what it found for the program's thread
+            _log.exception("the server of an mpitensor group's completer raised")
 
     def _call(self, chain: int, call: Callable[[], None]) -> None:
         self.chain = chain

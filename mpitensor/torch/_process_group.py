@@ -74,7 +74,11 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         # Made with the group, as every rank makes it: a communicator apart from the group's
         # collectives, for callbacks' collectives and for settling the group's end.
         self._side = integration.side_communicator(self._devices)
-        self._hooks = HookCollectives(self._side, timeout)
+        # The callbacks' collectives have one of their own: a callback's call left unmatched
+        # on one rank must never meet the group's end there.
+        self._hooks = HookCollectives(integration.side_communicator(self._devices), timeout, self._completer.finished)
+        if integration.thread_multiple():
+            self._completer.serve = self._hooks.serve
         if self._devices is not None:
             # mpitensor makes a sub-group's communicator at its first collective, which waits
             # for every member: made now, while every member is here (torch's new_group), a
@@ -147,11 +151,20 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         return Work(handles, finish, outputs, self._timeout, self._completer)
 
     def door(self, kind: str) -> mt.collective_call:
-        """The door of a call of `kind` on this group, for a call made of several (torch's object collectives).
+        """The door of a call of `kind` on this group (every collective's, and torch's object collectives').
 
-        An error inside it before the first collective takes the call's turn on the group.
+        An error inside it before the first collective takes the call's turn on the group;
+        so does a mismatch of the callbacks' collectives that this rank learned of since its
+        last call (see `HookCollectives.serve`).
         """
-        return mt.collective_call(kind, self._devices)
+        return mt.collective_call(kind, self._devices, self._before_call)
+
+    def _before_call(self) -> None:
+        """What the program's thread does as it enters a call: seal the chains, raise what the callbacks left."""
+        self._completer.seal()
+        failure = self._hooks.take_failure()
+        if failure is not None:
+            raise failure
 
     def after(self, work: dist.Work, action: Callable[[], None], outputs: Any) -> Work:
         """A work that completes when `work` does, then runs `action` (writes results back)."""
@@ -168,7 +181,9 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._sequence += 1
         if self._completer.on_thread():
             return finished_work(self._completer, self._hooks.all_reduce(tensors, opts, self._completer.chain))
-        if opts is not None and not opts.asyncOp and self._devices is None and len(tensors) == 1:
+        direct_ok = opts is not None and not opts.asyncOp and self._devices is None and len(tensors) == 1
+        if direct_ok and self._hooks.clear():  # else the door raises what the callbacks left
+            self._completer.seal()
             direct = _direct_call(tensors[0], opts)
             if direct is not None:
                 # A CPU tensor reduced in its own memory through its NumPy view (torch's contract,
@@ -178,7 +193,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
                 view, op = direct
                 mt.all_reduce(view, op, held=True).resolve(self._timeout)
                 return self._completed
-        with mt.collective_call("all_reduce", self._devices):  # an error before the call takes its turn
+        with self.door("all_reduce"):  # an error before the call takes its turn
             return self._all_reduce(tensors, opts)
 
     def _all_reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
@@ -206,7 +221,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """``dist.all_reduce_coalesced`` and the coalescing manager: one fused all-reduce."""
         self._sequence += 1
-        with mt.collective_call("all_reduce", self._devices):
+        with self.door("all_reduce"):
             op, factor = _operation(opts)
             for tensor in tensors:
                 _check_reduced(tensor, op, "all_reduce_coalesced")
@@ -216,7 +231,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.reduce``: the root's tensor becomes the reduction; others are unchanged."""
         self._sequence += 1
-        with mt.collective_call("reduce", self._devices):
+        with self.door("reduce"):
             op, factor = _operation(opts)
             root = self._global(opts.rootRank)
             tensor = _one(tensors, "reduce")
@@ -229,7 +244,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
                        opts: Any) -> Work:
         """``dist.reduce_scatter``: rank k gets the reduction of everyone's k-th tensor."""
         self._sequence += 1
-        with mt.collective_call("reduce_scatter", self._devices):
+        with self.door("reduce_scatter"):
             output = _one(output_tensors, "reduce_scatter")
             inputs = _only(input_tensors, "reduce_scatter")
             _check_count(inputs, self.size(), "reduce_scatter", "input_list", output.dtype)
@@ -244,7 +259,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:  # noqa: A002
         """``dist.reduce_scatter_tensor``: rank k gets block k of the reduced input."""
         self._sequence += 1
-        with mt.collective_call("reduce_scatter", self._devices):
+        with self.door("reduce_scatter"):
             self._check_scattered(output, input, "reduce_scatter_tensor")
             return self._reduce_scatter(output, input.reshape(-1), None, opts)
 
@@ -266,7 +281,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
         Every pair is checked before the first starts, so that the call never fails halfway.
         """
-        with mt.collective_call("reduce_scatter", self._devices):
+        with self.door("reduce_scatter"):
             op = _operation(opts)[0]
             _check_pairs(outputs, inputs, "reduce_scatter_tensor_coalesced")
             for out, inp in zip(outputs, inputs):
@@ -293,7 +308,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.broadcast``: every rank's tensor becomes the root's, in place."""
         self._sequence += 1
-        with mt.collective_call("broadcast", self._devices):
+        with self.door("broadcast"):
             root = self._global(opts.rootRank)
             for tensor in tensors:  # all of them before the first starts: never a call failed halfway
                 _check_dense(tensor, "broadcast")
@@ -320,7 +335,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
                   opts: Any = None) -> Work:
         """``dist.all_gather``: output k becomes rank k's input (sizes checked against every rank's outputs)."""
         self._sequence += 1
-        with mt.collective_call("all_gather", self._devices):
+        with self.door("all_gather"):
             outputs = _only(output_tensors, "all_gather")
             tensor = _one(input_tensors, "all_gather")
             _check_count(outputs, self.size(), "all_gather", "tensor_list", tensor.dtype)
@@ -336,7 +351,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         sizes: ranks whose inputs differ get ``CollectiveMismatchError`` on every rank.
         """
         self._sequence += 1
-        with mt.collective_call("all_gather", self._devices):
+        with self.door("all_gather"):
             self._check_gathered(output, input, "all_gather_into_tensor")
             view = None if _shares_memory(input, output) else _host_out(output)  # FSDP gathers in place
             out = None if view is None else view.reshape(self.size(), input.numel())
@@ -363,7 +378,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
         Every pair is checked before the first starts, so that the call never fails halfway.
         """
-        with mt.collective_call("all_gather", self._devices):
+        with self.door("all_gather"):
             _check_pairs(outputs, inputs, "all_gather_into_tensor_coalesced")
             for out, inp in zip(outputs, inputs):
                 self._check_gathered(out, inp, "all_gather_into_tensor_coalesced")
@@ -379,7 +394,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         Each rank's output k is checked against what rank k sends it, before the data moves.
         """
         self._sequence += 1
-        with mt.collective_call("all_to_all", self._devices):
+        with self.door("all_to_all"):
             dtype = input_tensors[0].dtype if input_tensors else None
             _check_count(input_tensors, self.size(), "all_to_all", "input_tensor_list", dtype)
             _check_count(output_tensors, self.size(), "all_to_all", "output_tensor_list", dtype)
@@ -400,7 +415,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         be zero on any rank (an expert with no tokens).
         """
         self._sequence += 1
-        with mt.collective_call("all_to_all", self._devices):
+        with self.door("all_to_all"):
             _check_dense(input, "all_to_all_single")
             _check_dense(output, "all_to_all_single")
             _check_dtypes([input], output.dtype, "all_to_all_single")
@@ -430,7 +445,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.gather``: the root's list gets every rank's input (sizes checked against the root's list)."""
         self._sequence += 1
-        with mt.collective_call("gather", self._devices):
+        with self.door("gather"):
             root = self._global(opts.rootRank)
             me = self._global(self.rank())
             tensor = _one(input_tensors, "gather")
@@ -448,7 +463,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Work:
         """``dist.scatter``: rank k's output becomes the root's k-th tensor (sizes checked against the outputs)."""
         self._sequence += 1
-        with mt.collective_call("scatter", self._devices):
+        with self.door("scatter"):
             root = self._global(opts.rootRank)
             me = self._global(self.rank())
             output = _one(output_tensors, "scatter")
@@ -493,7 +508,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         in size raise ``CollectiveMismatchError`` on every rank (a check of the row's shape).
         """
         self._sequence += 1
-        with mt.collective_call("all_gather", self._devices):
+        with self.door("all_gather"):
             dtype = inputs[0].dtype if inputs else None
             for tensor in inputs:
                 _check_dense(tensor, "all_gather_coalesced")
@@ -556,9 +571,9 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         view = _host_out(tensor) if tensor.is_contiguous() else None
         if view is not None:
             handle = mt.recv(None, mt.ANY_SOURCE, tag=tag, out=view.reshape(-1))
-            return self._work([handle], _noticed(handle), tensors)
+            return self._work([handle], _noticed(handle), tensors).keep_source()
         handle = mt.recv(None, mt.ANY_SOURCE, shape=(tensor.numel(),), dtype=tensor.dtype, tag=tag)
-        return self._work([handle], _received_from_any(tensor, handle), tensors)
+        return self._work([handle], _received_from_any(tensor, handle), tensors).keep_source()
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work:  # noqa: N803 - torch's names
         """``dist.recv``/``irecv``: `tensors[0]` becomes what group rank `srcRank` sent (its elements, in order).

@@ -42,6 +42,7 @@ class Work(dist.Work):
     _error: BaseException | None = None
     _future: torch.futures.Future | None = None
     _deadline: float | None = None
+    _received: Sequence[Any] = ()  # a receive from any rank's handles, kept for `_source_rank`
 
     def __init__(
         self,
@@ -53,7 +54,6 @@ class Work(dist.Work):
     ) -> None:
         super().__init__()
         self._handles = handles
-        self._handles_seen = handles  # kept once the work completes, for `_source_rank`
         self._finish = finish
         self._outputs = outputs
         self._timeout = timeout
@@ -76,6 +76,15 @@ class Work(dist.Work):
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else None
         self.complete(seconds if seconds else self._timeout)
         return True
+
+    def keep_source(self) -> Work:
+        """Keep this receive's handles once it completes, for `_source_rank` (itself, for chaining).
+
+        Only a receive's: other works let their handles go at completion, as those hold the
+        inputs' copy-on-write clones.
+        """
+        self._received = self._handles
+        return self
 
     def complete(self, timeout: float | None) -> None:
         """Resolve the handles and finish, once; later calls raise the same error, if any.
@@ -139,7 +148,7 @@ class Work(dist.Work):
         Raises:
             RuntimeError: not a receive from any rank, or its message has not arrived yet.
         """
-        for handle in self._handles_seen:
+        for handle in self._received:
             source = getattr(handle, "source", None)
             if source is not None:
                 return source

@@ -239,6 +239,55 @@ def test_a_callback_whose_all_reduce_differs_on_one_rank_fails_on_every_rank(gro
     compare(*groups, Net, plain_step, steps=1)  # the group goes on
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_callback_that_starts_a_collective_on_one_rank_only_fails_on_every_rank(groups):
+    """Rank 0's callback all-reduces where its peers' callbacks do not: no rank waits for good.
+
+    Rank 0's callback raises once it has asked its peers (after a second); each peer learns of
+    it then, and raises it at its next call on the group (taking that call's turn, so rank 0's
+    call names it). Every rank's next calls are right.
+    """
+    gloo, ours = groups
+    rank, size = dist.get_rank(), dist.get_world_size()
+
+    def hook(state, bucket):  # DDP checks annotations, and would find strings here
+        def reduce_on_rank_0(future: Any) -> Any:
+            if dist.get_rank() == 0:
+                dist.all_reduce(torch.ones(2, dtype=torch.float64), group=ours, async_op=True).get_future().wait()
+            return future.value()[0]
+
+        return dist.all_reduce(bucket.buffer(), group=ours, async_op=True).get_future().then(reduce_on_rank_0)
+
+    model = DDP(Net(), process_group=ours)
+    try:
+        model.register_comm_hook(None, hook)
+        if rank == 0:
+            with pytest.raises(Exception, match="callbacks did not") as caught:
+                plain_step(model, 0)
+            assert "rank 1's callbacks of chain" in str(caught.value)
+        else:
+            plain_step(model, 0)
+        # The peers' first call was made before they were asked: it pairs with rank 0's.
+        first = torch.full((3,), float(rank + 1), dtype=torch.float64)
+        dist.all_reduce(first, group=ours)
+        torch.testing.assert_close(first, torch.full((3,), size * (size + 1) / 2, dtype=torch.float64))
+        second = torch.ones(3, dtype=torch.float64)
+        with pytest.raises(mt.CollectiveMismatchError) as caught:
+            dist.all_reduce(second, group=ours)
+        if rank == 0:
+            assert "failed on that rank" in str(caught.value) and "callbacks did not" in str(caught.value)
+        else:
+            assert "this rank's callbacks did not (chain" in str(caught.value)
+            assert "rank 0's callback started call 0 of chain" in str(caught.value)
+    finally:
+        del model
+        gc.collect()
+    third = torch.full((2,), float(rank), dtype=torch.float64)
+    dist.all_reduce(third, group=ours)
+    torch.testing.assert_close(third, torch.full((2,), size * (size - 1) / 2, dtype=torch.float64))
+    compare(gloo, ours, Net, plain_step, steps=1)  # the group goes on
+
+
 def test_join_with_uneven_inputs(groups):
     """Rank r has 2 + r batches; joined ranks shadow the all-reduces of those still training."""
     gloo, ours = groups

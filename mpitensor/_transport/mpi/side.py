@@ -19,11 +19,14 @@ import numpy as np
 from ..._core.errors import CollectiveTimeoutError
 from ..._core.mpi import MPI
 
-__all__ = ["SideComm", "has_thread_multiple"]
+__all__ = ["PendingRows", "SideComm", "has_thread_multiple"]
 
 # Between tests of a pending request: short against a message's latency, long enough that the
 # polling thread leaves the core to the program's thread.
 _PAUSE = 20e-6
+
+# The tag of `SideComm.note`'s messages: apart from any tag a caller's own messages take.
+_NOTE_TAG = 32_001  # MPI promises tags up to 32767 everywhere
 
 
 def has_thread_multiple() -> bool:
@@ -43,11 +46,17 @@ class SideComm:
 
     def __init__(self, comm: Any, ranks: Sequence[int] | None = None) -> None:
         self._comm = comm.Dup() if ranks is None else _create_group(comm, ranks)
+        self._sent: list[Any] = []  # the notes whose sends may still be in flight
 
     @property
     def size(self) -> int:
         """The number of ranks of the group."""
         return self._comm.Get_size()
+
+    @property
+    def rank(self) -> int:
+        """This rank's number in the group."""
+        return self._comm.Get_rank()
 
     def free(self) -> None:
         """Free the communicator (a no-op once MPI is finalized or after a first call)."""
@@ -73,18 +82,64 @@ class SideComm:
         self._wait(self._comm.Iallgather(row, every), timeout)
         return every
 
+    def start_gather_row(self, row: np.ndarray) -> PendingRows:
+        """Start gathering every rank's 1-d `row` (as `all_gather_row`); the rows come from its `test`."""
+        every = np.empty((self.size, row.size), row.dtype)
+        return PendingRows(self._comm.Iallgather(row, every), every)
+
+    def note(self, peer: int, values: np.ndarray) -> None:
+        """Send `peer` a short int64 note without waiting (`notes` receives it there)."""
+        request = self._comm.Isend(np.ascontiguousarray(values, np.int64), dest=peer, tag=_NOTE_TAG)
+        self._sent = [sent for sent in self._sent if not sent.Test()]
+        self._sent.append(request)
+
+    def notes(self, length: int) -> list[tuple[int, np.ndarray]]:
+        """The notes of `length` int64 that have arrived from any rank, as (sender, values), in arrival order."""
+        arrived = []
+        status = MPI.Status()
+        while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=_NOTE_TAG, status=status):
+            values = np.empty(length, np.int64)
+            self._comm.Recv(values, source=status.Get_source(), tag=_NOTE_TAG)
+            arrived.append((status.Get_source(), values))
+        return arrived
+
     def all_gather_object(self, value: Any) -> list[Any]:
         """Every rank's picklable `value`, in rank order (blocking: call it when every peer calls)."""
         return self._comm.allgather(value)
 
     def _wait(self, request: Any, timeout: float | None) -> None:
-        deadline = float("inf") if timeout is None else time.monotonic() + timeout
-        while not request.Test():
-            if time.monotonic() >= deadline:
-                raise CollectiveTimeoutError(
-                    f"a collective on a second thread's communicator did not complete within {timeout} s"
-                )
-            time.sleep(_PAUSE)
+        _wait(request, timeout)
+
+
+class PendingRows:
+    """Rows an all-gather started by `SideComm.start_gather_row` is filling."""
+
+    def __init__(self, request: Any, rows: np.ndarray) -> None:
+        self._request = request
+        self._rows = rows
+
+    def test(self) -> np.ndarray | None:
+        """The rows, one per rank in rank order, once every rank gave its own; else None."""
+        return self._rows if self._request.Test() else None
+
+    def wait(self, timeout: float | None) -> np.ndarray:
+        """The rows, once every rank gave its own.
+
+        Raises:
+            CollectiveTimeoutError: a peer did not give its row within `timeout` seconds.
+        """
+        _wait(self._request, timeout)
+        return self._rows
+
+
+def _wait(request: Any, timeout: float | None) -> None:
+    deadline = float("inf") if timeout is None else time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeoutError(
+                f"a collective on a second thread's communicator did not complete within {timeout} s"
+            )
+        time.sleep(_PAUSE)
 
 
 def _create_group(comm: Any, ranks: Sequence[int]) -> Any:
