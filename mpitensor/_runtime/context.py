@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -34,9 +35,10 @@ from .._core.mpi import MPI
 from .._core.pool import HostPool
 from .._core.records import ContextRecord
 from . import failfast as _failfast
+from . import faults as _faults
 from .check import CLOSE_KIND, Members, Record
 from .diagnosis import Diagnosis
-from .engine import COMPLETE, OVERSUBSCRIBED_SPIN_PAUSES, SPIN_PAUSES, Engine, Group
+from .engine import COMPLETE, OVERSUBSCRIBED_SPIN_PAUSES, SPIN_PAUSES, Engine, Group, WatchedEngine
 from .progress import ProgressThread
 from .resolve import GroupResolver
 from .tracing.exchange import gatherer
@@ -178,10 +180,15 @@ class DistributedContext(ContextRecord):
         thread_level = _mpi.ensure_initialized()
         return cls(_private=_InitArgs(devices, config, thread_level))
 
-    def _setup(self, devices: DevicesArg, config: DistributedConfig, thread_level: int) -> None:
+    def _setup(
+        self, devices: DevicesArg, config: DistributedConfig, thread_level: int, survivors: _Survivors | None = None
+    ) -> None:
         world = MPI.COMM_WORLD
         world_rank, world_size = world.Get_rank(), world.Get_size()
-        members, chosen = _parse_init_devices(devices, world_rank, world_size)
+        if survivors is None:
+            members, chosen = _parse_init_devices(devices, world_rank, world_size)
+        else:  # `shrink`: the survivors' communicator is made, each rank keeps its device
+            members, chosen = survivors.members, survivors.device
         self.config = config
         self._thread_level = thread_level
         self.closed = False
@@ -191,7 +198,9 @@ class DistributedContext(ContextRecord):
         self.owner_thread = threading.get_ident()  # the one thread that may call collectives
         self.owner_thread_name = threading.current_thread().name
         self.groups: dict[tuple[int, ...], Group] = {}
-        if len(members) == world_size:
+        if survivors is not None:
+            comm = survivors.comm
+        elif len(members) == world_size:
             comm = world.Dup()
         else:
             mpi_group = world.Get_group().Incl(list(members))
@@ -220,8 +229,10 @@ class DistributedContext(ContextRecord):
             trace.start(comm, thread_level >= MPI.THREAD_MULTIPLE)
             _failfast.on_abort(trace.alarm)
         self._open_groups(comm)
-        self.engine = Engine(self)
+        self.engine = (WatchedEngine if config.on_rank_failure == "raise" else Engine)(self)
         self.engine.tracer = None if self.trace is None else self.trace.tracer
+        self.faults = self._fault_tolerance(config)
+        self.engine.faults = self.faults
         self.pool = _host_pool
         self.diagnosis = Diagnosis(self) if config.check and self._size > 1 else None
         spare = self._spare_cores() if self._size > 1 else 0
@@ -340,8 +351,17 @@ class DistributedContext(ContextRecord):
 
     @property
     def broken(self) -> bool:
-        """True after a collective timed out (see `CollectiveTimeoutError`)."""
-        return self._broken is not None
+        """True after a collective timed out (see `CollectiveTimeoutError`), or a rank died (`RankFailedError`)."""
+        return self._broken is not None or (self.faults is not None and self.faults.lost)
+
+    @property
+    def fault_tolerant(self) -> bool:
+        """True if the context survives the loss of a rank (`RankFailedError`, then `shrink`).
+
+        Asked for with ``DistributedConfig(on_rank_failure="raise")``, on an MPI that has it
+        (``python -m mpitensor info`` says whether it does).
+        """
+        return self.faults is not None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("broken" if self._broken else "open")
@@ -374,14 +394,21 @@ class DistributedContext(ContextRecord):
         MPI (unless finalization is deferred, see `defer_finalize`). Idempotent; in a process
         forked from the rank it does nothing (the context is the parent's to close).
 
+        A context that lost a rank (`RankFailedError`) closes at once, waiting for no rank: its
+        communicators stay revoked and are kept with what MPI may still hold of its ops.
+
         Raises:
             CollectiveTimeoutError: the collectives in flight did not complete within the
                 context's timeout (the context is then broken and stays unclosed).
+            RankFailedError: a rank died while this one closed (fault tolerance on); the
+                context stays open, so that this rank can join its peers' ``shrink()``;
+                closing it again closes it at once.
         """
         if self.closed:
             return
+        lost = self.faults is not None and self.faults.lost
         together = False  # whether every rank closes with this one (and so can merge the trace)
-        if self._broken is None:
+        if self._broken is None and not lost:
             self.engine.drain(self.timeout)
             together = self._say_goodbye() if self._size > 1 else True
             if together and self.diagnosis is not None:
@@ -390,7 +417,7 @@ class DistributedContext(ContextRecord):
         # flight), but its progress thread has nothing left to do.
         self._stop_progress()
         self._close_trace(merge=together and self._broken is None)
-        if self._broken is None:
+        if self._broken is None and not lost:
             self._free()
         self.closed = True
         self.usable = False
@@ -424,7 +451,8 @@ class DistributedContext(ContextRecord):
         """Close without waiting on peers to close too (an exception is propagating), telling them this rank left."""
         if self.closed:
             return
-        if self._size > 1 and self._broken is None and not self.engine.lock_held_here():
+        lost = self.faults is not None and self.faults.lost  # no peer to tell: MPI revoked the context
+        if self._size > 1 and self._broken is None and not lost and not self.engine.lock_held_here():
             self._tell_peers_it_left()
         self.closed = True
         self.usable = False
@@ -433,8 +461,12 @@ class DistributedContext(ContextRecord):
             # Its part now; the flight recorder stays armed, so that the abort an uncaught
             # exception leads to asks the peers for theirs.
             self.trace.write_part()
-        self.engine.progress()
-        if self.engine.busy():
+        if not lost:
+            try:
+                self.engine.progress()
+            except _errors.RankFailedError:  # met a rank's death on the way out: the exception leaving stays
+                lost = True
+        if lost or self.engine.busy():
             _abandoned.append(self.engine)
         else:
             self._free()
@@ -457,6 +489,101 @@ class DistributedContext(ContextRecord):
                 self.diagnosis.finish()  # every rank closed with it: the diagnosis's rounds end paired
         except Exception:  # already leaving on an exception: that one is what the program sees
             return
+
+    def shrink(self, config: DistributedConfig | None = None) -> DistributedContext:
+        """A new context of the ranks that survive this one's failure (fault tolerance).
+
+        Every surviving rank calls it, typically after a collective raised `RankFailedError`
+        (a rank that calls it first gives this context up: MPI revokes it, and its peers'
+        pending and next collectives raise `RankFailedError`). Ranks that die meanwhile are
+        left out too. The new context holds the survivors, renumbered in their old order,
+        each with its device; it is open and the current context, usable as a context
+        manager, and makes its sub-groups on demand as any context. This context stays open
+        and unusable (every handle it gave that had not completed resolves with
+        `RankFailedError`); close it, which waits for no rank.
+
+        Args:
+            config: the new context's settings; this context's when None.
+
+        Returns:
+            The new context.
+
+        Raises:
+            RuntimeError: this context is not fault tolerant (`fault_tolerant` is False).
+            TypeError: `config` is not a `DistributedConfig`.
+            ContextClosedError: this context is closed.
+            ForkedProcessError: this process was forked from the rank.
+            ContextBrokenError: MPI failed otherwise while the new context was made.
+        """
+        self._ensure_open()
+        if config is None:
+            config = self.config
+        if not isinstance(config, DistributedConfig):
+            raise TypeError(f"config must be a DistributedConfig or None, got {type(config).__name__}")
+        if self.faults is None:
+            asked = self.config.on_rank_failure == "raise"
+            why = _mpi.fault_tolerance()[1] if asked else "DistributedConfig(on_rank_failure='raise') was not asked for"
+            raise RuntimeError(
+                f"shrink() needs a fault-tolerant context, and this one is not: {why}. Open the context with "
+                "DistributedConfig(on_rank_failure='raise') on an MPI that survives the loss of a rank (Open MPI "
+                "launched with mpiexec --with-ft ulfm; python -m mpitensor info says whether yours does)"
+            )
+        self._stop_progress()
+        self.faults.give_up(f"rank {self._rank} called shrink() before it met a failure")
+        comm = _faults.shrink_communicator(self._comm)
+        for _ in range(self._size):
+            ctx = DistributedContext.__new__(DistributedContext)
+            try:
+                ctx._setup(None, config, self._thread_level, _Survivors.of(comm, self._device))
+                built = 1
+            except MPI.Exception as exc:
+                if not _faults.is_rank_failure(exc, comm):
+                    raise ContextBrokenError(f"MPI failed while shrink() made the survivors' context: {exc}") from exc
+                built = 0  # another rank died meanwhile: every survivor learns it in the agreement
+                # Survivors still in a step of the setup (waiting there for this rank) come out of it.
+                ctx._revoke_made()
+                _faults.revoke(comm)
+            # The same outcome on every survivor, even if more die now: go on, or shrink again.
+            if _faults.agree(comm, built) == 1:
+                return ctx
+            if built:
+                _state.pop(ctx)
+                ctx._revoke_made()
+            comm = _faults.shrink_communicator(comm)
+        raise ContextBrokenError("shrink() could not make a context of the survivors: ranks kept dying as it did")
+
+    def _fault_tolerance(self, config: DistributedConfig) -> _faults.Faults | None:
+        """This context's fault tolerance where asked for and MPI has it; else None (a warning where asked for)."""
+        if config.on_rank_failure != "raise":
+            return None
+        supported, why = _mpi.fault_tolerance()
+        if not supported:
+            warnings.warn(
+                f"DistributedConfig(on_rank_failure='raise') asks for fault tolerance, but {why}; this context "
+                "stays fail-fast: a rank that dies ends the job",
+                RuntimeWarning,
+                stacklevel=5,  # the program's call of DistributedContext.init
+            )
+            return None
+        return _faults.Faults(self._comm, self._mpi_handles, self.engine.fail_pending, self._lose, self.engine.lock)
+
+    def _lose(self) -> None:
+        """A rank of the context died (fault tolerance): no collective runs on it any more."""
+        self.usable = False
+        _mpi.note_rank_failure()
+        if self.trace is not None:
+            self.trace.write_part()  # the flight recorder: this context can no longer merge
+
+    def _revoke_made(self) -> None:
+        """Revoke every communicator a context being made has so far (a survivor stopped making it)."""
+        made = [getattr(self, name, None) for name in ("_comm", "_local_comm", "diag_comm")]
+        for group in getattr(self, "groups", {}).values():
+            made += [group.comm, group.check_comm, group.detail_comm]
+        p2p = getattr(self, "p2p_group", None)
+        if p2p is not None:
+            made.append(p2p.comm)
+        for comm in made:
+            _faults.revoke(comm)
 
     def abort(self, errorcode: int = 1) -> None:
         """End the whole job now (``MPI_Abort``): the way out of a broken context.
@@ -572,6 +699,8 @@ class DistributedContext(ContextRecord):
             ForkedProcessError: this process was forked from the rank that opened the context.
         """
         self._ensure_open()
+        if self.faults is not None and self.faults.lost:
+            raise self.faults.again()
         if self._broken is not None:
             raise ContextBrokenError(f"this DistributedContext is broken: {self._broken}")
 
@@ -647,6 +776,26 @@ class _InitArgs(NamedTuple):
     devices: DevicesArg
     config: DistributedConfig
     thread_level: int
+    survivors: _Survivors | None = None
+
+
+class _Survivors(NamedTuple):
+    """What `DistributedContext.shrink` hands the setup of the survivors' context."""
+
+    comm: Any  # the survivors' communicator
+    members: tuple[int, ...]  # their world ranks, in order
+    device: Device  # this rank's device, kept
+
+    @classmethod
+    def of(cls, comm: Any, device: Device) -> _Survivors:
+        """The survivors `comm` holds, this rank keeping `device`."""
+        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            members = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+        finally:
+            group.Free()
+            world.Free()
+        return cls(comm, tuple(members), device)
 
 
 def _progress_wanted(config: DistributedConfig, thread_level: int, spare_cores: int, kind: str) -> bool:

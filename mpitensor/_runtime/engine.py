@@ -52,7 +52,10 @@ from .tracing.tracer import Tracer, mark_posted
 if TYPE_CHECKING:
     from .._core.protect import Protection
 
-__all__ = ["AGREE_STAGE", "REAP_AFTER", "STATES", "Engine", "Group", "Op", "Owner", "Stepper", "Waker", "size_text"]
+__all__ = [
+    "AGREE_STAGE", "REAP_AFTER", "STATES", "Engine", "Group", "Op", "Owner", "Stepper", "Waker", "WatchedEngine",
+    "size_text",
+]
 
 # Op states, in the order an op moves through them.
 CHECKING = 0  # the consistency check (or metadata exchange) is in flight
@@ -294,6 +297,9 @@ class Engine(EngineRecord):
         self.progress_thread: Waker | None = None
         self.spin_pauses = SPIN_PAUSES  # see `Backoff`; the context sets it for its node
         self.tracer: Tracer | None = None  # records every op submitted, when the context traces
+        # The context's fault tolerance (faults.Faults), or None: MPI's errors are then all
+        # ContextBrokenError, and nothing of it is on any path.
+        self.faults: Any = None
 
     # -- starting ----------------------------------------------------------------------
 
@@ -609,9 +615,13 @@ class Engine(EngineRecord):
         try:
             started = op.post(op.gathered) if op.exchange is not False or op.payload is not None else op.post()
         except MPI.Exception as exc:
-            message = f"MPI failed to start {op.describe()}: {exc}"
-            self.ctx.mark_broken(message)
-            op.error = ContextBrokenError(message)
+            faults = self.faults
+            if faults is not None and faults.is_failure(exc):
+                op.error = faults.failed(op.describe())  # a rank died: every survivor learns it
+            else:
+                message = f"MPI failed to start {op.describe()}: {exc}"
+                self.ctx.mark_broken(message)
+                op.error = ContextBrokenError(message)
             self._fail(op)
             return
         except BaseException as exc:
@@ -730,13 +740,48 @@ class Engine(EngineRecord):
             what: what was running otherwise.
 
         Returns:
-            The `ContextBrokenError` to raise.
+            The `ContextBrokenError` to raise: a `RankFailedError` where the context is fault
+            tolerant and the error says that a rank died (every pending op of the context
+            then fails with it, and its communicators are revoked; see `faults.Faults`).
         """
         if op is not None:
             what = op.describe()
+        faults = self.faults
+        if faults is not None and faults.is_failure(exc):
+            return faults.failed(what)
         message = f"MPI failed in {what} on rank {self.ctx.rank}: {exc}"
         self.ctx.mark_broken(message)
         return ContextBrokenError(message)
+
+    def fail_pending(self, error: Callable[[], BaseException]) -> list[Any]:
+        """Fail every op that is not complete with a fresh `error()`, for good (a rank of the context died).
+
+        Queued and posted ops alike: their handles resolve with the error, their inputs are
+        writable again; nothing is queued or posted afterwards.
+
+        Returns:
+            What MPI may still hold of them (requests, buffers, steppers), for the caller to keep.
+        """
+        held: list[Any] = []
+        with self.lock:
+            pending = list(self.posted)
+            for group in list(self.waiting_groups):
+                pending.extend(group.queue)
+                group.queue.clear()
+                group.holder = None
+            self.waiting_groups.clear()
+            del self.posted[:]
+            self.stepping = 0
+            for op in pending:
+                if op.state >= COMPLETE:
+                    continue
+                held.append((op.requests, op.keep, op.stepper, getattr(op, "check_req", None),
+                             getattr(op, "check_recv", None), getattr(op, "check_send", None)))
+                op.requests = []
+                op.stepper = None
+                op.error = error()
+                self._fail(op)
+        return held
 
     def _complete(self, op: Op) -> None:
         if op.trace is not None:
@@ -967,6 +1012,8 @@ class Engine(EngineRecord):
     def _poll_until(self, done: Callable[[], bool], timeout: float | None, op: Op | None) -> None:
         thread = self.progress_thread
         if thread is not None and thread.error is not None:
+            if self.faults is not None and self.faults.lost:
+                raise self.faults.again() from thread.error  # the thread met a rank's death
             message = f"the progress thread failed: {thread.error!r}"
             self.ctx.mark_broken(message)
             raise ContextBrokenError(message) from thread.error
@@ -1004,6 +1051,23 @@ class Engine(EngineRecord):
         )
         self.ctx.mark_broken(message)
         raise CollectiveTimeoutError(message)
+
+
+class WatchedEngine(Engine):
+    """The engine of a context that asks for fault tolerance (``on_rank_failure="raise"``).
+
+    Before each call it asks MPI whether a rank of the context died or a peer revoked the
+    context (`faults.Faults.poll`): a survivor whose collectives run on a sub-group that the
+    dead rank is not in learns of it at its next call. Contexts without fault tolerance use
+    `Engine`, whose calls pay nothing for it.
+    """
+
+    def submit(self, op: Op, grace: float | None = None) -> None:
+        """`Engine.submit`, once MPI has said that no rank of the context died (else `RankFailedError`)."""
+        faults = self.faults
+        if faults is not None:
+            faults.poll(op)
+        super().submit(op, grace)
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))

@@ -6,6 +6,10 @@ collective. While a context is open (or one was left by an exception), mpitensor
 ``MPI_Abort`` on ``MPI_COMM_WORLD``, which makes the launcher end every rank with a
 non-zero exit. Before that it unlinks the MPI library's files of the job that it can name
 (`release_job_files`), which MPICH removes only when a job ends normally.
+
+An uncaught `RankFailedError` (raised only with fault tolerance on) ends this rank alone,
+with exit status 1 and without ``MPI_Abort``: the program asked that the survivors of a
+failure go on, and this rank's end is one more failure they survive.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from types import TracebackType
 
 from .._core import shm_cleanup as _shm_cleanup
 from .._core import state as _state
+from .._core.errors import RankFailedError
 from .._core.mpi import MPI
 
 __all__ = ["arm", "disarm_left_contexts", "forget_abort", "note_left_by_exception", "on_abort", "release_job_files"]
@@ -98,6 +103,8 @@ def _excepthook(
     prefix = f"[rank {rank}] "
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     lines = [prefix + line for line in text.rstrip("\n").split("\n")]
+    if isinstance(exc, RankFailedError):
+        _end_rank_alone(lines, prefix, rank, size)
     lines.append(
         f"{prefix}mpitensor: uncaught {exc_type.__name__} on rank {rank} of {size}; "
         "aborting the job (MPI_Abort) so that the other ranks do not wait forever"
@@ -115,3 +122,17 @@ def _excepthook(
     finally:
         MPI.COMM_WORLD.Abort(1)
         os._exit(1)  # MPI_Abort may return before the launcher ends this process
+
+
+def _end_rank_alone(lines: list[str], prefix: str, rank: int, size: int) -> None:
+    """End this rank without ending the job: an uncaught `RankFailedError` under fault tolerance."""
+    lines.append(
+        f"{prefix}mpitensor: uncaught RankFailedError on rank {rank} of {size}; this rank ends (exit status 1) "
+        "without ending the job (on_rank_failure='raise'): the other survivors go on"
+    )
+    try:
+        sys.stderr.write("\n".join(lines) + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        os._exit(1)

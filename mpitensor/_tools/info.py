@@ -56,6 +56,7 @@ def collect(ctx: DistributedContext) -> list[dict[str, Any]]:
         "jax_handler": _jax_handler_built(),
         "wrong_sums": " ".join(sorted(str(dtype) for dtype in mpi_arithmetic.probe())),
         "check": ctx.config.check,
+        "fault_tolerance": _mpi.fault_tolerance(),
     }
     return ctx.comm.allgather(row)
 
@@ -111,6 +112,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                      "(a local probe found it): mpitensor sums those dtypes in a wider type")
     else:
         lines.append("MPI's integer sums wrap as NumPy's do (a local probe checked every integer dtype)")
+    lines.extend(_fault_tolerance(rows))
     if not all(row["check"] for row in rows):
         lines.append("consistency check OFF: ranks that disagree get whatever MPI does, which includes "
                      "wrong data, a hang or a crash of the job")
@@ -118,6 +120,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if row["local_rank_note"]:
             lines.append(f"note: rank {row['rank']}: {row['local_rank_note']}")
     return "\n".join(lines)
+
+
+def _fault_tolerance(rows: list[dict[str, Any]]) -> list[str]:
+    """Whether the job survives the loss of a rank (``on_rank_failure="raise"``): one line, or one per rank."""
+    said = {tuple(row["fault_tolerance"]) for row in rows}
+    title = "survives the loss of a rank (DistributedConfig(on_rank_failure='raise'))"
+    if len(said) == 1:
+        supported, why = said.pop()
+        return [f"{title}: {'yes' if supported else 'no'}: {why}"]
+    return [f"{title} on rank {row['rank']}: {'yes' if row['fault_tolerance'][0] else 'no'}: "
+            f"{row['fault_tolerance'][1]}" for row in rows]
 
 
 def _on_off(rows: list[dict[str, Any]], key: str) -> str:

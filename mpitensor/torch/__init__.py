@@ -23,8 +23,12 @@ from __future__ import annotations
 from ._backend import register as _register
 from ._broadcast import broadcast_optimizer_state, broadcast_parameters
 from ._data_parallel import DataParallel
+from ._elastic import shrink_process_group
 from ._process_group import BACKEND_NAME, ProcessGroupMpitensor
 
-__all__ = ["BACKEND_NAME", "DataParallel", "ProcessGroupMpitensor", "broadcast_optimizer_state", "broadcast_parameters"]
+__all__ = [
+    "BACKEND_NAME", "DataParallel", "ProcessGroupMpitensor", "broadcast_optimizer_state", "broadcast_parameters",
+    "shrink_process_group",
+]
 
 _register()

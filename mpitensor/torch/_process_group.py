@@ -79,6 +79,7 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._hooks = HookCollectives(integration.side_communicator(self._devices), timeout, self._completer.finished)
         if integration.thread_multiple():
             self._completer.serve = self._hooks.serve
+        self._context = mt.current_context()  # whether a rank of it died decides how the group ends
         if self._devices is not None:
             # mpitensor makes a sub-group's communicator at its first collective, which waits
             # for every member: made now, while every member is here (torch's new_group), a
@@ -123,7 +124,9 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         action, self._on_shutdown = self._on_shutdown, None
         self._completer.stop()
         if self._side is not None:
-            if _context_open():  # a program that closed its context first has nothing left to settle
+            # A program that closed its context first has nothing left to settle; nor has one whose
+            # context lost a rank (fault tolerance: shrink_process_group ends the group at once).
+            if _context_open() and not (self._context.fault_tolerant and self._context.broken):
                 self._monitor.settle(self._side, self._timeout)
             self._hooks.free()
             self._side = None

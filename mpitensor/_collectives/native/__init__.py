@@ -54,7 +54,7 @@ from ..._core.dtypes import OrderedKeys
 from ..._core.idle import setter_address
 from ..._core.interop import take_quickly
 from ..._core.limits import GATHERED_CHECK_RANKS
-from ..._core.mpi import MPI, pointer_handles
+from ..._core.mpi import MPI, launched_fault_tolerant, pointer_handles
 from ..._core.mpi import module as mpi_module
 from ..._core.records import compiled as _records_compiled
 from ..._core.tensor import Tensor
@@ -292,6 +292,8 @@ def compiled_lane(lane: Any, array: np.ndarray, op: Any, checked: bool) -> Any:
         return None
     large = record is not None and not group.gathers  # its check all-reduces one record (reduced_check)
     code = carry_code(plan, array.dtype, array.size) if large and checked else None
+    if _fault_tolerant(lane.ctx):
+        return None
     tracer = lane.ctx.engine.tracer
     trace = None
     if tracer is not None:
@@ -333,7 +335,8 @@ def compiled_held_lane(ctx: Any, group: Any, op: Any, array: np.ndarray, plan: A
         module not bound.
     """
     if (record is None or not group.gathers or not 2 <= group.size <= GATHERED_CHECK_RANKS or array.size >= 1 << 31
-            or (plan.divide and array.dtype not in _DIVIDES) or ctx.engine.tracer is not None or not _bind()):
+            or (plan.divide and array.dtype not in _DIVIDES) or ctx.engine.tracer is not None
+            or _fault_tolerant(ctx) or not _bind()):
         return None
     done = Op("all_reduce", group, array.nbytes, lambda: [], record=record)
     done.state = COMPLETE  # the op that calls completed at the call share: nothing is left to do
@@ -366,7 +369,7 @@ def compiled_held_data_lane(ctx: Any, group: Any, kind: str, array: np.ndarray, 
         than 2**31 - 1 bytes, or the module not bound.
     """
     if (record is None or not group.gathers or not 2 <= group.size <= GATHERED_CHECK_RANKS or array.nbytes >= 1 << 31
-            or ctx.engine.tracer is not None or not _bind()):
+            or ctx.engine.tracer is not None or _fault_tolerant(ctx) or not _bind()):
         return None
     done = Op(kind, group, array.nbytes, lambda: [], record=record)
     done.state = COMPLETE  # the op that calls completed at the call share: nothing is left to do
@@ -390,6 +393,18 @@ _HELD_DATA = {
     "gather": ("GATHER", held_gather),
     "reduce": ("REDUCE", held_reduce),
 }
+
+
+def _fault_tolerant(ctx: Any) -> bool:
+    """Whether a rank's death leaves `ctx`'s ranks running (fault tolerance): its calls then take no compiled lane.
+
+    A compiled lane's check returns to the Python engine when ``MPI_Test`` reports an error,
+    and that test has completed (and freed) the request: the engine's own test then finds it
+    complete and reads the previous call's rows. Only a dead peer makes that error, and only
+    where the launch or the context is fault tolerant (elsewhere the launcher ends the job),
+    so the Python lanes, which report it, take those calls.
+    """
+    return ctx.engine.faults is not None or launched_fault_tolerant()
 
 
 def _communicators(ctx: Any, group: Any) -> dict[str, Any]:

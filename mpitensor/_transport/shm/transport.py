@@ -48,12 +48,17 @@ class SharedMemory:
         `min_bytes()` and ``shared_memory`` is None (True forces any size); the group has
         one rank, or no node holds two of its ranks; the input is not a host array; the op
         is user-defined (MAX/MIN of complex numbers) or has no NumPy equivalent, or the
-        dtype sent is not a plain number or bool; the platform has no ``memfd``. That
+        dtype sent is not a plain number or bool; the platform has no ``memfd``; the config
+        asks for fault tolerance (``on_rank_failure="raise"``: a peer that dies mid-call
+        would leave the others waiting on its flags, where MPI's transports report it). That
         depends only on what every rank agrees on once the check has passed (size, dtype,
         op, group, config, hosts), so all ranks take the same path.
         """
         # Cheapest tests first.
-        if not may_apply(call.ctx.config, call.nbytes) or not isinstance(call.source.buffer, np.ndarray):
+        config = call.ctx.config
+        if not may_apply(config, call.nbytes) or not isinstance(call.source.buffer, np.ndarray):
+            return False
+        if config.on_rank_failure == "raise":
             return False
         if not state_of(call).applies:
             return False
