@@ -72,7 +72,9 @@ def _create(options: Any, backend_options: Any) -> ProcessGroupMpitensor:
     seconds = None if timeout is None or timeout == _TORCH_DEFAULT_TIMEOUT else timeout.total_seconds()
     if ranks is not None and ranks == list(range(ctx.size)):
         ranks = None  # the whole world: the context's own communicator and the fast lanes
-    group = ProcessGroupMpitensor(options.group_rank, size, ranks, seconds)
+    # torch makes the default group before it knows it is initialized; every later one is a
+    # dist.new_group's, which belongs to the thread that first calls a collective on it.
+    group = ProcessGroupMpitensor(options.group_rank, size, ranks, seconds, by_first_thread=dist.is_initialized())
     _declare_devices(group)
     return group
 

@@ -12,9 +12,9 @@ Two things fail in torch's Python functions, before the ``mpitensor`` backend se
   collective: an object that does not pickle raised there, and the peers' call paired with
   that rank's next collective. For a group of this backend they run inside the door of a
   collective (`mpitensor.collective_call`), so that error takes the call's turn: the peers
-  raise `CollectiveMismatchError` naming the rank, and the next collective is right. Called
-  from a thread other than the program's (``dcp.async_save`` plans on one), they say to
-  give that thread a gloo group of its own.
+  raise `CollectiveMismatchError` naming the rank, and the next collective is right. On a
+  group a helper thread owns (``dcp.async_save`` plans on one, on a group of
+  ``dist.new_group``), the door is that thread's, and the error takes the turn there.
 
 Every other call goes to torch's function unchanged (a group of another backend too). A
 name this torch does not have is left out.
@@ -29,8 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-import mpitensor as mt
 
 from ._process_group import ProcessGroupMpitensor
 
@@ -149,24 +147,13 @@ def _wrap_object(name: str) -> Callable[[Any], Any]:
             group = _ours(signature.bind(*args, **kwargs).arguments.get("group"))
             if group is None:  # another backend, or a rank outside the group (torch returns at once)
                 return original(*args, **kwargs)
-            try:
-                with group.door(kind):  # a pickling error before the first collective takes its turn
-                    return original(*args, **kwargs)
-            except mt.ThreadMisuseError as exc:
-                raise mt.ThreadMisuseError(f"{exc}. {_HELPER_THREADS}") from exc
+            with group.door(kind):  # a pickling error before the first collective takes its turn
+                return original(*args, **kwargs)
 
         wrapper._mpitensor_wrapper = True  # type: ignore[attr-defined]
         return wrapper
 
     return wrap
-
-
-# What a helper thread's collectives need (dcp.async_save plans its checkpoint on a thread of its own).
-_HELPER_THREADS = (
-    "A torch program's collectives on the mpitensor backend run on the thread that called "
-    "init_process_group; a helper thread's (dcp.async_save's) need a group of their own: pass "
-    "process_group=dist.new_group(backend='gloo')"
-)
 
 
 # (torch's name, the wrapper maker): what `register` installs in torch.distributed.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,14 +31,16 @@ import mpitensor as mt
 
 from .. import integration
 from ..integration import SideComm
+from ._agreement import agreed, call_row, each_rank
 from ._reduce_ops import reduce_operation
 
 __all__ = ["HookCollectives"]
 
 _OPERATIONS = {"SUM", "MEAN"}
 _DTYPES = {torch.float32, torch.float64, torch.int32, torch.int64}
-# An agreement's row: [kind, hash of the call, problem, chain, call or calls] (int64).
-_CALL, _STAND_IN = 1, 2
+# An agreement's row: [kind, hash of the call, problem, chain, call or calls] (int64); kind
+# CALL (`_agreement`) or a stand-in's.
+_STAND_IN = 2
 # How long an agreement waits before it asks its peers whether their callbacks will join.
 _ASK_AFTER = 1.0
 _PAUSE = 20e-6
@@ -171,11 +172,11 @@ class HookCollectives:
                 )
 
     def _agree(self, what: str, problem: str | None, chain: int, index: int) -> None:
-        mine = np.array([_CALL, zlib.crc32(what.encode()), problem is not None, chain, index], np.int64)
+        mine = call_row(what, problem is not None, chain, index)
         slot = self._slots
         self._slots += 1
         every = self._wait_asking(self._comm.start_gather_row(mine), slot, chain, index)
-        if (every[:, 0] == _CALL).all() and (every[:, 1] == mine[1]).all() and not every[:, 2].any():
+        if agreed(every, mine):
             return
         if (every[:, 0] == _STAND_IN).any():
             raise mt.CollectiveMismatchError(
@@ -183,8 +184,7 @@ class HookCollectives:
                 f"{_rows_text(every)}; every rank's callbacks must start the same collectives"
             )
         self._slots += 1
-        calls = self._comm.all_gather_object(problem or what)  # every rank is here: the first gather showed it
-        lines = "; ".join(f"rank {rank}: {call}" for rank, call in enumerate(calls))
+        lines = each_rank(self._comm, problem or what)  # every rank is here: the first gather showed it
         raise mt.CollectiveMismatchError(
             "a communication hook's callback started a collective its peers did not match "
             f"(callbacks whose collectives differ between ranks, or one not supported there): {lines}"

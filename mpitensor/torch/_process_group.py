@@ -12,6 +12,7 @@ GPU paths (staged through the host, or CUDA-aware MPI).
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -32,6 +33,7 @@ from ._p2p import discard, notice_error, send_notice, sendable
 from ._reduce_ops import known_operation, reduce_operation
 from ._sizes import agree_all_gather, agree_all_to_all, agree_gather, agree_scatter, refuse
 from ._sparse import check_sparse, sparse_all_reduce
+from ._thread_group import OWN_GROUP, ThreadGroup
 from ._unseen import unseen_by_dynamo
 from ._work import Work, finished_work, waited
 
@@ -50,7 +52,10 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     """A torch process group whose collectives are mpitensor's (backend ``"mpitensor"``).
 
     Made by ``dist.init_process_group("mpitensor")`` and ``dist.new_group(ranks)``; not
-    meant to be built directly.
+    meant to be built directly. A group made with ``dist.new_group`` belongs to the thread
+    that makes its first collective call on it: the context's thread keeps it an ordinary
+    group; another thread's calls then run on a communicator of the group's own, each checked
+    against its peers' (see `ThreadGroup`).
 
     Args:
         rank: this rank's number in the group.
@@ -58,9 +63,12 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         ranks: the group's ranks in the mpitensor context (torch's global ranks), in group
             order; None for every rank.
         timeout: seconds a wait may take; None for the mpitensor context's timeout.
+        by_first_thread: the group belongs to the thread that first calls a collective on it
+            (a ``dist.new_group``'s; the default group is the context's thread's).
     """
 
-    def __init__(self, rank: int, size: int, ranks: Sequence[int] | None, timeout: float | None) -> None:
+    def __init__(self, rank: int, size: int, ranks: Sequence[int] | None, timeout: float | None,
+                 by_first_thread: bool = False) -> None:
         super().__init__(rank, size)
         self._devices = None if ranks is None else list(ranks)
         self._timeout = timeout
@@ -79,6 +87,11 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._hooks = HookCollectives(integration.side_communicator(self._devices), timeout, self._completer.finished)
         if integration.thread_multiple():
             self._completer.serve = self._hooks.serve
+        # Made now, while every member is here: the communicator of a helper thread that makes
+        # the group's first call (see `ThreadGroup`).
+        self._thread_group = (ThreadGroup(integration.side_communicator(self._devices), self._devices, timeout)
+                              if by_first_thread else None)
+        self._owned = self._thread_group  # None once the context's thread made the first call
         self._context = mt.current_context()  # whether a rank of it died decides how the group ends
         if self._devices is not None:
             # mpitensor makes a sub-group's communicator at its first collective, which waits
@@ -129,6 +142,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
             if _context_open() and not (self._context.fault_tolerant and self._context.broken):
                 self._monitor.settle(self._side, self._timeout)
             self._hooks.free()
+            if self._thread_group is not None:
+                self._thread_group.free()
             self._side = None
         if action is not None:
             action()
@@ -153,14 +168,38 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def _work(self, handles: Sequence[Any], finish: Callable[[list[Any]], None] | None, outputs: Any) -> Work:
         return Work(handles, finish, outputs, self._timeout, self._completer)
 
-    def door(self, kind: str) -> mt.collective_call:
+    def door(self, kind: str) -> Any:
         """The door of a call of `kind` on this group (every collective's, and torch's object collectives').
 
         An error inside it before the first collective takes the call's turn on the group;
         so does a mismatch of the callbacks' collectives that this rank learned of since its
-        last call (see `HookCollectives.serve`).
+        last call (see `HookCollectives.serve`). On a group a helper thread owns, the door of
+        that thread's calls (`ThreadGroup.door`).
+
+        Raises:
+            ThreadMisuseError: (on entering it) a thread the group does not belong to.
         """
-        return mt.collective_call(kind, self._devices, self._before_call)
+        if self._owned is not None and self._by_thread(kind):
+            return self._owned.door(kind)
+        return _Door(kind, self._devices, self._before_call)
+
+    def _by_thread(self, kind: str) -> bool:
+        """Whether a call of `kind` is the helper thread's that owns the group; its first call claims it.
+
+        Where the context's thread makes the first call, the group is an ordinary one from then
+        on: each call's one test of ``_owned`` finds None.
+        """
+        owned = self._owned
+        if owned is None:  # the context's thread made the first call meanwhile
+            return False
+        if owned.claim(kind):
+            return True
+        self._owned = None
+        return False
+
+    def _on_thread(self, kind: str, *args: Any) -> Work:
+        """Make torch's call `kind` on the helper thread that owns the group (`ThreadGroup.run`), complete on return."""
+        return finished_work(self._completer, self._owned.run(kind, args))
 
     def _before_call(self) -> None:
         """What the program's thread does as it enters a call: seal the chains, raise what the callbacks left."""
@@ -184,6 +223,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         self._sequence += 1
         if self._completer.on_thread():
             return finished_work(self._completer, self._hooks.all_reduce(tensors, opts, self._completer.chain))
+        if self._owned is not None and self._by_thread("all_reduce"):
+            return self._on_thread("all_reduce", tensors, opts)
         direct_ok = opts is not None and not opts.asyncOp and self._devices is None and len(tensors) == 1
         if direct_ok and self._hooks.clear():  # else the door raises what the callbacks left
             self._completer.seal()
@@ -194,7 +235,11 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
                 # call's): the kind's kept plan, no torch tensor made on the way. Nothing here
                 # can fail before mpitensor's own call, so no door is needed.
                 view, op = direct
-                mt.all_reduce(view, op, held=True).resolve(self._timeout)
+                try:
+                    mt.all_reduce(view, op, held=True).resolve(self._timeout)
+                except mt.ThreadMisuseError as exc:  # costs nothing where nothing is raised
+                    _name_the_remedy(exc)
+                    raise
                 return self._completed
         with self.door("all_reduce"):  # an error before the call takes its turn
             return self._all_reduce(tensors, opts)
@@ -224,6 +269,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         """``dist.all_reduce_coalesced`` and the coalescing manager: one fused all-reduce."""
         self._sequence += 1
+        if self._owned is not None and self._by_thread("all_reduce_coalesced"):
+            return self._on_thread("all_reduce_coalesced", tensors, opts)
         with self.door("all_reduce"):
             op, factor = _operation(opts)
             for tensor in tensors:
@@ -234,6 +281,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.reduce``: the root's tensor becomes the reduction; others are unchanged."""
         self._sequence += 1
+        if self._owned is not None and self._by_thread("reduce"):
+            return self._on_thread("reduce", tensors, opts)
         with self.door("reduce"):
             op, factor = _operation(opts)
             root = self._global(opts.rootRank)
@@ -247,6 +296,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
                        opts: Any) -> Work:
         """``dist.reduce_scatter``: rank k gets the reduction of everyone's k-th tensor."""
         self._sequence += 1
+        if self._owned is not None and self._by_thread("reduce_scatter"):
+            return self._on_thread("reduce_scatter", output_tensors, input_tensors, opts)
         with self.door("reduce_scatter"):
             output = _one(output_tensors, "reduce_scatter")
             inputs = _only(input_tensors, "reduce_scatter")
@@ -262,6 +313,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:  # noqa: A002
         """``dist.reduce_scatter_tensor``: rank k gets block k of the reduced input."""
         self._sequence += 1
+        if self._owned is not None and self._by_thread("reduce_scatter_tensor"):
+            return self._on_thread("reduce_scatter_tensor", output, input, opts)
         with self.door("reduce_scatter"):
             self._check_scattered(output, input, "reduce_scatter_tensor")
             return self._reduce_scatter(output, input.reshape(-1), None, opts)
@@ -284,6 +337,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
         Every pair is checked before the first starts, so that the call never fails halfway.
         """
+        if self._owned is not None and self._by_thread("reduce_scatter_tensor_coalesced"):
+            return self._on_thread("reduce_scatter_tensor_coalesced", outputs, inputs, opts)
         with self.door("reduce_scatter"):
             op = _operation(opts)[0]
             _check_pairs(outputs, inputs, "reduce_scatter_tensor_coalesced")
@@ -311,6 +366,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.broadcast``: every rank's tensor becomes the root's, in place."""
         self._sequence += 1
+        if self._owned is not None and self._by_thread("broadcast"):
+            return self._on_thread("broadcast", tensors, opts)
         with self.door("broadcast"):
             root = self._global(opts.rootRank)
             for tensor in tensors:  # all of them before the first starts: never a call failed halfway
@@ -338,6 +395,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
                   opts: Any = None) -> Work:
         """``dist.all_gather``: output k becomes rank k's input (sizes checked against every rank's outputs)."""
         self._sequence += 1
+        if self._owned is not None and self._by_thread("all_gather"):
+            return self._on_thread("all_gather", output_tensors, input_tensors, opts)
         with self.door("all_gather"):
             outputs = _only(output_tensors, "all_gather")
             tensor = _one(input_tensors, "all_gather")
@@ -354,6 +413,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         sizes: ranks whose inputs differ get ``CollectiveMismatchError`` on every rank.
         """
         self._sequence += 1
+        if self._owned is not None and self._by_thread("all_gather_into_tensor"):
+            return self._on_thread("all_gather_into_tensor", output, input, opts)
         with self.door("all_gather"):
             self._check_gathered(output, input, "all_gather_into_tensor")
             view = None if _shares_memory(input, output) else _host_out(output)  # FSDP gathers in place
@@ -381,6 +442,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
         Every pair is checked before the first starts, so that the call never fails halfway.
         """
+        if self._owned is not None and self._by_thread("all_gather_into_tensor_coalesced"):
+            return self._on_thread("all_gather_into_tensor_coalesced", outputs, inputs, opts)
         with self.door("all_gather"):
             _check_pairs(outputs, inputs, "all_gather_into_tensor_coalesced")
             for out, inp in zip(outputs, inputs):
@@ -397,6 +460,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         Each rank's output k is checked against what rank k sends it, before the data moves.
         """
         self._sequence += 1
+        if self._owned is not None and self._by_thread("all_to_all"):
+            return self._on_thread("all_to_all", output_tensors, input_tensors, opts)
         with self.door("all_to_all"):
             dtype = input_tensors[0].dtype if input_tensors else None
             _check_count(input_tensors, self.size(), "all_to_all", "input_tensor_list", dtype)
@@ -418,6 +483,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         be zero on any rank (an expert with no tokens).
         """
         self._sequence += 1
+        if self._owned is not None and self._by_thread("all_to_all_single"):
+            return self._on_thread("all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts)
         with self.door("all_to_all"):
             _check_dense(input, "all_to_all_single")
             _check_dense(output, "all_to_all_single")
@@ -448,6 +515,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Work:
         """``dist.gather``: the root's list gets every rank's input (sizes checked against the root's list)."""
         self._sequence += 1
+        if self._owned is not None and self._by_thread("gather"):
+            return self._on_thread("gather", output_tensors, input_tensors, opts)
         with self.door("gather"):
             root = self._global(opts.rootRank)
             me = self._global(self.rank())
@@ -466,6 +535,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Work:
         """``dist.scatter``: rank k's output becomes the root's k-th tensor (sizes checked against the outputs)."""
         self._sequence += 1
+        if self._owned is not None and self._by_thread("scatter"):
+            return self._on_thread("scatter", output_tensors, input_tensors, opts)
         with self.door("scatter"):
             root = self._global(opts.rootRank)
             me = self._global(self.rank())
@@ -492,12 +563,21 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
             CollectiveTimeoutError: the group's timeout (or the call's) passed first.
         """
         self._sequence += 1
+        if self._owned is not None and self._by_thread("barrier"):
+            return self._on_thread("barrier", opts)
         timeout = _seconds(getattr(opts, "timeout", None)) or self._timeout
         if timeout is None:
-            mt.barrier(self._devices)
+            try:
+                mt.barrier(self._devices)
+            except mt.ThreadMisuseError as exc:
+                _name_the_remedy(exc)
+                raise
             return self._completed
         try:
             mt.barrier(self._devices, timeout=timeout)
+        except mt.ThreadMisuseError as exc:
+            _name_the_remedy(exc)
+            raise
         except mt.CollectiveTimeoutError as exc:  # in gloo's words, which torch's tests match
             raise mt.CollectiveTimeoutError(f"barrier: Timed out waiting {int(timeout * 1000)} ms for every rank "
                                             f"of the group: {exc}") from exc
@@ -511,6 +591,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         in size raise ``CollectiveMismatchError`` on every rank (a check of the row's shape).
         """
         self._sequence += 1
+        if self._owned is not None and self._by_thread("all_gather_coalesced"):
+            return self._on_thread("all_gather_coalesced", output_lists, inputs, opts)
         with self.door("all_gather"):
             dtype = inputs[0].dtype if inputs else None
             for tensor in inputs:
@@ -538,6 +620,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
                 `wait_all_ranks`, else the first); on a rank that arrived, rank 0 did not
                 release it in time (gloo's words, see `monitored_barrier`).
         """
+        if self._owned is not None and self._by_thread("monitored_barrier"):
+            return self._on_thread("monitored_barrier", timeout, wait_all_ranks)
         monitored_barrier(self, self._monitor, timeout, wait_all_ranks, self._timeout)
 
     # -- point to point ---------------------------------------------------------------------
@@ -548,6 +632,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
         Raises:
             ValueError, TypeError: a tensor mpitensor cannot carry; the receiver gets an error too.
         """
+        if self._owned is not None and self._by_thread("send"):
+            raise self._owned.point_to_point("send")
         dest = self._global(dstRank)
         try:
             tensor = sendable(tensors, _check_dtype)
@@ -567,6 +653,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
             NotImplementedError: on a sub-group; pass ``src=``.
             ValueError, TypeError: a tensor mpitensor cannot write.
         """
+        if self._owned is not None and self._by_thread("recv"):
+            raise self._owned.point_to_point("recv")
         if self._devices is not None:
             raise NotImplementedError("recv with no source: the mpitensor backend takes it on the default group "
                                       "only; pass src= (the sending rank) on a sub-group")
@@ -586,6 +674,8 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
             CollectiveMismatchError: (at wait) the sender sent another number of elements or
                 dtype, or its send failed on its rank.
         """
+        if self._owned is not None and self._by_thread("recv"):
+            raise self._owned.point_to_point("recv")
         source = self._global(srcRank)
         try:
             tensor = _one(tensors, "recv", contiguous=False)
@@ -619,6 +709,29 @@ class ProcessGroupMpitensor(dist.ProcessGroup):
 
     def _token_tag(self, release: bool) -> int:
         return _TOKEN_TAGS + 2 * (zlib.crc32(self._group_name.encode()) % _TOKEN_GROUPS) + release
+
+
+class _Door(mt.collective_call):
+    """A call's door on a group of the context's thread: another thread is told how to get a group of its own."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _Door:
+        try:
+            return super().__enter__()
+        except mt.ThreadMisuseError as exc:
+            _name_the_remedy(exc)
+            raise
+
+
+def _name_the_remedy(error: mt.ThreadMisuseError) -> None:
+    """Raise `error` with the remedy for a helper thread where it is one's call (not a signal handler's).
+
+    Raises:
+        ThreadMisuseError: `error`'s message and how a helper thread gets a group of its own.
+    """
+    if threading.get_ident() != mt.current_context().owner_thread:
+        raise mt.ThreadMisuseError(f"{error}. {OWN_GROUP}") from error
 
 
 # -- argument checks and result writers -----------------------------------------------------

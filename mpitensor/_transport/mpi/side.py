@@ -1,11 +1,12 @@
 """A communicator of its own for collectives that a second thread posts beside the program's.
 
 A thread that is not the program's (the torch backend's completer, which runs communication
-hooks' callbacks) cannot post on the group's communicator: its calls and the program's would
-interleave in an order that differs between ranks. `SideComm` is a duplicate of the group's
-communicator, made collectively as the group is; its calls poll their request against a
-deadline, so a peer that never joins is a `CollectiveTimeoutError`, not a hang. Two threads
-in MPI at once need ``MPI_THREAD_MULTIPLE`` (`has_thread_multiple`).
+hooks' callbacks, or a helper thread that owns a torch group of its own) cannot post on the
+group's communicator: its calls and the program's would interleave in an order that differs
+between ranks. `SideComm` is a duplicate of the group's communicator, made collectively as
+the group is; its calls poll their request against a deadline, so a peer that never joins is
+a `CollectiveTimeoutError`, not a hang. Two threads in MPI at once need
+``MPI_THREAD_MULTIPLE`` (`has_thread_multiple`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ __all__ = ["PendingRows", "SideComm", "has_thread_multiple"]
 # Between tests of a pending request: short against a message's latency, long enough that the
 # polling thread leaves the core to the program's thread.
 _PAUSE = 20e-6
+
+# `SideComm.all_reduce`'s operations, by name: MPI's.
+_OPERATIONS = {"sum": "SUM", "prod": "PROD", "min": "MIN", "max": "MAX"}
 
 # The tag of `SideComm.note`'s messages: apart from any tag a caller's own messages take.
 _NOTE_TAG = 32_001  # MPI promises tags up to 32767 everywhere
@@ -70,7 +74,78 @@ class SideComm:
         Raises:
             CollectiveTimeoutError: a peer did not join within `timeout` seconds.
         """
-        self._wait(self._comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM), timeout)
+        self.all_reduce(array, "sum", timeout)
+
+    def all_reduce(self, array: np.ndarray, op: str, timeout: float | None) -> None:
+        """Reduce the contiguous `array` over the group with `op`, in place.
+
+        Args:
+            array: a contiguous array of a type MPI reduces (floats, integers), the same dtype
+                and length on every rank.
+            op: ``"sum"``, ``"prod"``, ``"min"`` or ``"max"``.
+            timeout: seconds to wait for the peers (None: no limit).
+
+        Raises:
+            KeyError: `op` is none of those.
+            CollectiveTimeoutError: a peer did not join within `timeout` seconds.
+        """
+        self._wait(self._comm.Iallreduce(MPI.IN_PLACE, array, op=getattr(MPI, _OPERATIONS[op])), timeout)
+
+    def all_gather(self, data: np.ndarray, out: np.ndarray, timeout: float | None) -> None:
+        """Every rank's bytes `data` (as many on every rank) into `out`, in rank order.
+
+        Args:
+            data: this rank's contiguous ``uint8`` array.
+            out: a contiguous ``uint8`` array of the group's size times ``data.size``.
+            timeout: seconds to wait for the peers (None: no limit).
+
+        Raises:
+            CollectiveTimeoutError: a peer did not join within `timeout` seconds.
+        """
+        self._wait(self._comm.Iallgather(data, out), timeout)
+
+    def broadcast(self, data: np.ndarray, root: int, timeout: float | None) -> None:
+        """Group rank `root`'s bytes into every rank's `data`, in place.
+
+        Args:
+            data: a contiguous ``uint8`` array, as long on every rank (the root's is sent).
+            root: the sending rank's number in the group.
+            timeout: seconds to wait for the peers (None: no limit).
+
+        Raises:
+            CollectiveTimeoutError: a peer did not join within `timeout` seconds.
+        """
+        self._wait(self._comm.Ibcast(data, root=root), timeout)
+
+    def gather(self, data: np.ndarray, out: np.ndarray | None, root: int, timeout: float | None) -> None:
+        """Every rank's bytes `data` (as many on every rank) into group rank `root`'s `out`, in rank order.
+
+        Args:
+            data: this rank's contiguous ``uint8`` array.
+            out: on the root, a contiguous ``uint8`` array of the group's size times
+                ``data.size``; elsewhere None.
+            root: the receiving rank's number in the group.
+            timeout: seconds to wait for the peers (None: no limit).
+
+        Raises:
+            CollectiveTimeoutError: a peer did not join within `timeout` seconds.
+        """
+        self._wait(self._comm.Igather(data, out, root=root), timeout)
+
+    def scatter(self, data: np.ndarray | None, out: np.ndarray, root: int, timeout: float | None) -> None:
+        """Block k of group rank `root`'s bytes `data` into rank k's `out`.
+
+        Args:
+            data: on the root, a contiguous ``uint8`` array of the group's size times
+                ``out.size`` (block k for rank k); elsewhere None.
+            out: this rank's contiguous ``uint8`` array, as long on every rank.
+            root: the sending rank's number in the group.
+            timeout: seconds to wait for the peers (None: no limit).
+
+        Raises:
+            CollectiveTimeoutError: a peer did not join within `timeout` seconds.
+        """
+        self._wait(self._comm.Iscatter(data, out, root=root), timeout)
 
     def all_gather_row(self, row: np.ndarray, timeout: float | None) -> np.ndarray:
         """Every rank's 1-d `row` (same dtype and length on every rank), as rows in rank order.
