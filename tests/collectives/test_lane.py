@@ -224,8 +224,9 @@ def test_numbers_and_torch_tensors_take_the_lane_of_their_array(check):
                     ok = type(got) is type(value) and np.allclose(got, expected, rtol=1e-6)
                 agree(bool(ok), f"{name}, call {turn}: {got!r} vs {expected!r}")
                 if turn == 0:  # the lane kept by the first call: count what the next ones start on it
-                    key = (np.dtype(dtype), shape, None)
-                    counted = _lanes(ctx)[key] = _Counted(_lanes(ctx)[key])
+                    plans = ctx.full_group.extra[PLANS]
+                    key = ("all_reduce", np.dtype(dtype), shape, None)
+                    counted = plans[key] = _Counted(plans[key])
             agree(counted is not None and took == 2, f"{name}: the later calls took the lane")
         still_usable(ctx)
 
