@@ -40,7 +40,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${VENV:-$root/.venv}
-hosts="" hostfile="" agent="" fault_tolerant=0
+hosts="" hostfile="" agent="" fault_tolerant=0 watch_outlived=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --venv) venv=$2; shift 2 ;;
@@ -66,7 +66,7 @@ if "$mpiexec" --version 2>&1 | grep -qiE "open mpi|open-mpi|prte"; then
   [ -z "$hosts" ] || extra+=(--host "$hosts")
   [ -z "$hostfile" ] || extra+=(--hostfile "$hostfile")
   [ -z "$agent" ] || extra+=(--prtemca plm_ssh_agent "$agent")
-  [ "$fault_tolerant" = 0 ] || extra+=(--with-ft ulfm)
+  [ "$fault_tolerant" = 0 ] || extra+=(--with-ft ulfm) watch_outlived=1
 else
   extra=()
   [ -z "$hosts" ] || extra+=(-hosts "$hosts")
@@ -184,6 +184,32 @@ child=$!
 set +m
 # A signal that came before mpiexec existed.
 [ -z "$early" ] || kill -s "$early" "$child" 2>/dev/null || true
+# Open MPI's launcher under --with-ft ulfm now and then stays up after every rank has ended (seen
+# after an MPI_Abort that followed a rank's death: prterun stuck on a lock of its own, its ranks
+# left unreaped): once it has had no live child process (its ranks, or the agents that reach other
+# hosts) for 5 s after it had some, it is ended, status 1.
+watchdog="" outlived="${TMPDIR:-/tmp}/mpirun.sh.$$.outlived"
+if [ "$watch_outlived" = 1 ] && ps -o stat= --ppid $$ >/dev/null 2>&1; then
+  (
+    trap - TERM INT HUP
+    had=0 idle=0
+    while kill -0 "$child" 2>/dev/null; do
+      # Zombies (ended, not reaped) do not count.
+      if ps -o stat= --ppid "$child" 2>/dev/null | grep -qv '^Z'; then had=1 idle=0
+      elif [ "$had" = 1 ]; then idle=$((idle + 1))
+      fi
+      if [ "$idle" -ge 5 ]; then
+        : > "$outlived"
+        kill -TERM "$child" 2>/dev/null || true
+        sleep 2
+        kill -KILL "$child" 2>/dev/null || true
+        break
+      fi
+      sleep 1
+    done
+  ) &
+  watchdog=$!
+fi
 while :; do
   seen=$ncaught
   # 2>/dev/null: no "Killed" notice from bash; mpiexec reports how the job ended.
@@ -193,6 +219,16 @@ while :; do
   [ "$ncaught" != "$seen" ] || break
 done
 trap - TERM INT HUP
+if [ -n "$watchdog" ]; then
+  kill "$watchdog" 2>/dev/null || true
+  wait "$watchdog" 2>/dev/null || true
+fi
+if [ -f "$outlived" ]; then
+  rm -f "$outlived"
+  echo "mpirun.sh: mpiexec was still up 5 s after its last rank ended (Open MPI's launcher under" \
+    "--with-ft ulfm, after an abort); ended it" >&2
+  status=1
+fi
 [ "$cleanup" = 0 ] || remove_leftovers
 # mpiexec ended by the signal this script got: end by it too, as mpiexec did.
 if [ -n "$caught" ] && [ "$status" = $((128 + $(kill -l "$caught"))) ]; then

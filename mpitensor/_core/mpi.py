@@ -23,9 +23,11 @@ Fault tolerance (surviving the loss of a rank) needs Open MPI launched with ``mp
 --with-ft ulfm``, which tells each process so through ``OMPI_MCA_mpi_ft_enable``. Where
 mpitensor initializes MPI under such a launch, it sets what Open MPI 5 needs to survive a
 death, unless the program did: ``OMPI_MCA_btl=tcp,self`` (its shared-memory transport
-hangs the survivors) and ``MPI_THREAD_SERIALIZED`` (at ``MPI_THREAD_MULTIPLE`` its TCP
-transport can deadlock on its own locks as it handles the death). After a rank died, MPI
-is not finalized (Open MPI's ``MPI_Finalize`` can wait for the dead process for good).
+hangs the survivors), TCP without its emulated RDMA (``OMPI_MCA_btl_tcp_flags``: a large
+receive from a dead peer could spin for good) and ``MPI_THREAD_SERIALIZED`` (at
+``MPI_THREAD_MULTIPLE`` its TCP transport can deadlock on its own locks as it handles the
+death). After a rank died, MPI is not finalized (Open MPI's ``MPI_Finalize`` can wait for
+the dead process for good).
 `fault_tolerance` says whether the MPI in use has it.
 """
 
@@ -261,9 +263,16 @@ def _initialize(module: Any) -> None:
 # Open MPI's transports that survive a peer's death: its shared-memory BTL (sm, vader before
 # Open MPI 5) leaves the survivors waiting for the dead process's part of a message.
 FAULT_TOLERANT_BTL = "tcp,self"
-# Open MPI's variables (their case matters): the transports it may use, and fault tolerance on.
+# Open MPI's variables (their case matters): the transports it may use, what its TCP transport
+# offers, and fault tolerance on.
 _BTL = "OMPI_MCA_btl"
+_TCP_FLAGS = "OMPI_MCA_btl_tcp_flags"
 _FT_ENABLE = "OMPI_MCA_mpi_ft_enable"
+# Open MPI's TCP transport without its emulated RDMA (put): large messages then go in the send
+# pipeline. With put, a receive of a large message from a peer that died left a survivor
+# spinning inside MPI for good (ob1's pending RDMA scheduling, about one run in fifteen of
+# 1 MiB sends); its other flags as they are by default.
+FAULT_TOLERANT_TCP_FLAGS = "send,inplace,need-ack,need-csum"
 _HANGING_BTLS = ("sm", "vader")
 
 
@@ -278,13 +287,17 @@ def launched_fault_tolerant() -> bool:
 def _prepare_fault_tolerance() -> None:
     """Before ``MPI_Init``: under a fault-tolerant launch, keep Open MPI off transports that hang survivors.
 
-    Sets ``OMPI_MCA_btl`` to `FAULT_TOLERANT_BTL` where the launcher said fault tolerance is
-    on and neither the program nor the launcher chose the transports (a user's choice is
-    kept; `fault_tolerance` then says whether it can work).
+    Sets ``OMPI_MCA_btl`` to `FAULT_TOLERANT_BTL` and ``OMPI_MCA_btl_tcp_flags`` to
+    `FAULT_TOLERANT_TCP_FLAGS` where the launcher said fault tolerance is on and neither the
+    program nor the launcher set them (a user's choice is kept; `fault_tolerance` then says
+    whether the transports can work).
     """
-    if launched_fault_tolerant() and _BTL not in os.environ:
-        os.environ[_BTL] = FAULT_TOLERANT_BTL
-        _set_for_fault_tolerance[_BTL] = FAULT_TOLERANT_BTL
+    if not launched_fault_tolerant():
+        return
+    for name, value in ((_BTL, FAULT_TOLERANT_BTL), (_TCP_FLAGS, FAULT_TOLERANT_TCP_FLAGS)):
+        if name not in os.environ:
+            os.environ[name] = value
+            _set_for_fault_tolerance[name] = value
 
 
 def _hanging_btl(value: str) -> str | None:

@@ -536,9 +536,14 @@ class DistributedContext(ContextRecord):
             try:
                 ctx._setup(None, config, self._thread_level, _Survivors.of(comm, self._device))
                 built = 1
-            except MPI.Exception as exc:
-                if not _faults.is_rank_failure(exc, comm):
-                    raise ContextBrokenError(f"MPI failed while shrink() made the survivors' context: {exc}") from exc
+            except Exception as exc:
+                # A death during the setup's exchanges may also reach it as data MPI completed
+                # without a dead rank's part (mpi4py's pickled all-gather failing to unpickle).
+                if comm == MPI.COMM_NULL or not _faults.is_rank_failure(exc, comm):
+                    if isinstance(exc, MPI.Exception):
+                        why = f"MPI failed while shrink() made the survivors' context: {exc}"
+                        raise ContextBrokenError(why) from exc
+                    raise  # the setup's own error, the same on every survivor
                 built = 0  # another rank died meanwhile: every survivor learns it in the agreement
                 # Survivors still in a step of the setup (waiting there for this rank) come out of it.
                 ctx._revoke_made()
@@ -601,10 +606,10 @@ class DistributedContext(ContextRecord):
         sys.stderr.flush()
         _failfast.run_before_abort()
         _failfast.release_job_files()
-        MPI.COMM_WORLD.Abort(errorcode)
         # MPI_Abort may return before the launcher ends this process (seen with MPICH on a
-        # loaded machine): the program must not go on either way.
-        os._exit(errorcode)
+        # loaded machine), or never (Open MPI under --with-ft ulfm after a rank's death): the
+        # program must not go on either way.
+        _failfast.abort_job(errorcode)
 
     def _spare_cores(self) -> int:
         """Cores of this node that its ranks of the context may use, beyond one each."""

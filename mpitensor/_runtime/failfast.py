@@ -15,7 +15,9 @@ failure go on, and this rank's end is one more failure they survive.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -26,7 +28,10 @@ from .._core import state as _state
 from .._core.errors import RankFailedError
 from .._core.mpi import MPI
 
-__all__ = ["arm", "disarm_left_contexts", "forget_abort", "note_left_by_exception", "on_abort", "release_job_files"]
+__all__ = [
+    "abort_job", "arm", "disarm_left_contexts", "forget_abort", "note_left_by_exception", "on_abort",
+    "release_job_files",
+]
 
 _previous_hook = None
 _left_by_exception = 0
@@ -120,8 +125,22 @@ def _excepthook(
         # forward what this rank just wrote, which it otherwise loses now and then.
         time.sleep(0.2)
     finally:
-        MPI.COMM_WORLD.Abort(1)
-        os._exit(1)  # MPI_Abort may return before the launcher ends this process
+        abort_job(1)
+
+
+# Seconds MPI_Abort may take before this process ends itself (SIGALRM): Open MPI's launcher under
+# --with-ft ulfm has left it waiting after a rank's death.
+ABORT_GRACE = 10
+
+
+def abort_job(errorcode: int) -> None:
+    """``MPI_Abort`` on ``MPI_COMM_WORLD``; this process ends whatever MPI does. Never returns."""
+    if hasattr(signal, "alarm") and threading.current_thread() is threading.main_thread():
+        signal.alarm(ABORT_GRACE)  # its default action ends the process, and then the launcher the job
+    try:
+        MPI.COMM_WORLD.Abort(errorcode)
+    finally:
+        os._exit(errorcode)  # MPI_Abort may return before the launcher ends this process
 
 
 def _end_rank_alone(lines: list[str], prefix: str, rank: int, size: int) -> None:

@@ -230,6 +230,8 @@ def _failed_ranks(comm: Any, wait: float) -> tuple[int, ...]:
                 group.Free()
             if ranks or time.monotonic() >= deadline:
                 return tuple(sorted(r for r in ranks if r != MPI.UNDEFINED))
+            # MPI learns of a death it has not met itself (its runtime's notice) as it progresses.
+            MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
             time.sleep(1e-3)
     finally:
         members.Free()
