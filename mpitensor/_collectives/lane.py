@@ -41,7 +41,7 @@ from .._transport.reduced_check import carry_code, coded
 from .._transport.reduction import finish_reduction, needs_decoding, reduction_finisher, reduction_input
 from .._transport.select import IN_CHECK, IN_PLACE, PLAIN
 from .common import CollectiveTensor, Input, follow
-from .native import compiled_lane, front, set_before_call
+from .native import compiled_lane, front, keep_held, set_before_call
 from .plans import find_plan, keep_plan
 
 __all__ = [
@@ -149,7 +149,13 @@ def on_held_plan(array: Any, op: Any, out: Any) -> CollectiveTensor | None:
     if lane is None:
         return None
     wait_for_compiled()
-    return lane.start_held(array, out if into else array)
+    handle = lane.start_held(array, out if into else array)
+    if handle is not None and not into:
+        # Its compiled lane takes the next such calls in the compiled entry, as this one was taken.
+        compiled = lane.lane.compiled if type(lane) is CopiedInto else lane
+        if compiled is not None:
+            keep_held(compiled)
+    return handle
 
 
 def held_key(array: np.ndarray, op: Any, into: bool) -> tuple[Any, ...]:

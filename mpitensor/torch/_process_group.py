@@ -938,15 +938,22 @@ def _reduced_into(tensors: Sequence[torch.Tensor], views: Sequence[np.ndarray | 
 def _direct_call(tensor: torch.Tensor, opts: Any) -> tuple[np.ndarray, mt.ReduceOperation] | None:
     """The view and operation of a synchronous all-reduce that no check of ours or mpitensor's can refuse.
 
-    None sends the call the general way, where every check runs inside the call's door.
+    A plain CPU tensor that NumPy shows as it is (its own memory: no grad, no conjugate or
+    negative bit, a dtype NumPy has). None sends the call the general way, where every check
+    runs inside the call's door, and which reduces such a tensor held too (`_held_view`).
     """
-    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or not tensor.is_contiguous():
+    if (type(tensor) is not torch.Tensor or tensor.requires_grad or not tensor.is_cpu
+            or tensor.layout is not torch.strided or not tensor.is_contiguous()):
         return None
     op = known_operation(opts.reduceOp)
     if op is None or (op in _BITWISE and (tensor.is_floating_point() or tensor.is_complex())):
         return None
-    view = _held_view(tensor, op)
-    return None if view is None or view.ctypes.data != tensor.data_ptr() else (view, op)
+    if op is mt.ReduceOperation.MEAN and not (tensor.is_floating_point() or tensor.is_complex()):
+        return None
+    try:
+        return tensor.numpy(), op
+    except (TypeError, RuntimeError):
+        return None
 
 
 def _copy_into(tensors: Sequence[torch.Tensor]) -> Callable[[list[Any]], None]:

@@ -162,3 +162,42 @@ def test_run_held_reduces_at_once_and_declines_as_start_held():
             mt.all_reduce(array, OP.SUM, out=overlapping, held=True)
         np.testing.assert_array_equal(_held(np.ones(SHAPE), OP.SUM, True), np.full(SHAPE, float(ctx.size)))
         still_usable(ctx)
+
+
+@needs_compiled
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", [True, False])
+def test_the_entry_starts_repeated_held_calls_in_place_without_python(check, monkeypatch):
+    """``all_reduce(array, op, held=True)`` in place: once the Python path started a kind on its compiled
+    lane, the compiled entry starts the next calls of that kind there (Python's entry no more);
+    other kinds, ``out=`` and another op object still come through Python. Every result NumPy's."""
+    from mpitensor._collectives import lane as lane_module
+
+    entered = []
+    python_entry = lane_module.on_held_plan
+    monkeypatch.setattr(lane_module, "on_held_plan", lambda *args: entered.append(1) or python_entry(*args))
+    kinds = [((2,), np.float32, OP.SUM), (SHAPE, np.float64, OP.SUM), ((3,), np.int64, OP.MAX)]
+    with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)) as ctx:
+        for shape, dtype, op in kinds:
+            for turn in range(5):
+                inputs = [rank_input(seed_of("entry-held", shape, turn), r, shape, dtype) for r in range(ctx.size)]
+                before = len(entered)
+                result = mt.all_reduce(inputs[ctx.rank].copy(), op, held=True).resolve().numpy()
+                assert_matches(result, reference(op, inputs), op, ctx.size)
+                plan = kept_plan(ctx, "all_reduce", np.dtype(dtype), shape, op, "held", False)
+                compiled = plan.lane.compiled if isinstance(plan, CopiedInto) else plan
+                if turn >= 3 and compiled is not None:
+                    assert len(entered) == before, f"{shape} {np.dtype(dtype)} {op.name}: Python's entry, turn {turn}"
+        assert kept_plan(ctx, "all_reduce", np.dtype(np.float32), (2,), OP.SUM, "held", False) is not None
+        before = len(entered)
+        out = np.empty(2, np.float32)
+        mt.all_reduce(np.ones(2, np.float32), OP.SUM, out=out, held=True).resolve()
+        mt.all_reduce(np.ones(2, np.float32), "sum", held=True).resolve()
+        assert len(entered) == before + 2, "into out=, and another op object: Python's entry"
+        np.testing.assert_array_equal(out, np.full(2, ctx.size, np.float32))
+        still_usable(ctx)
+    with mt.DistributedContext.init() as ctx:  # a new context: its own plans, its first call in Python
+        before = len(entered)
+        result = mt.all_reduce(np.ones(2, np.float32), OP.SUM, held=True).resolve().numpy()
+        np.testing.assert_array_equal(result, np.full(2, ctx.size, np.float32))
+        assert len(entered) == before + 1

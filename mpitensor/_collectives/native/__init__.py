@@ -85,7 +85,7 @@ except ImportError:  # not built: the Python lanes record in the Python ring
 
 __all__ = [
     "LaneTensor", "built", "compiled_held_data_lane", "compiled_held_lane", "compiled_lane", "find_lane", "forget",
-    "front", "leaf_loops", "set_before_call", "status", "wait_at_call",
+    "front", "keep_held", "leaf_loops", "set_before_call", "status", "wait_at_call",
 ]
 
 # ReduceOperation to the C loops' op codes (MEAN reduces as SUM, then divides).
@@ -225,6 +225,20 @@ def forget(ctx: Any) -> None:
     """
     if _lanes is not None:
         _lanes.forget(ctx)
+
+
+def keep_held(lane: Any) -> None:
+    """Have the compiled entry start ``all_reduce(array, op, held=True)`` calls of `lane`'s kind on `lane`.
+
+    `lane` is the compiled lane of the kept plan of held all-reduces in place on the full group
+    (``CopiedInto``'s COPY or CHECK lane, or a HELD lane in place) that the Python path just
+    started such a call on: the entry then starts the next ones as that path would, without it.
+
+    Raises:
+        TypeError: `lane` is not a compiled all-reduce lane that reduces in place.
+    """
+    if _lanes is not None:
+        _lanes.keep_held(lane)
 
 
 def set_before_call(function: Callable[[], None] | None) -> None:

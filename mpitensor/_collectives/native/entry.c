@@ -17,35 +17,68 @@
 
 #define CACHE_SIZE 8
 
-static PyObject *cache[CACHE_SIZE];
-static int cache_next;
+/* The lanes started lately, newest last (`next` the slot the next one takes). */
+typedef struct {
+    PyObject *lanes[CACHE_SIZE];
+    int next;
+} LaneCache;
 
-void lane_cache_insert(PyObject *lane) {
+/* Ordinary calls' lanes; and the lanes of held all-reduces in place on the full group (the
+ * lanes of their kept plans, `keep_held`), which a call `all_reduce(array, op, held=True)` starts. */
+static LaneCache ordinary, held;
+
+static void cache_insert(LaneCache *cache, PyObject *lane) {
     for (int i = 0; i < CACHE_SIZE; i++)
-        if (cache[i] == lane) return;
+        if (cache->lanes[i] == lane) return;
     /* A lane of another context than the newest entry's: the older context's entries go. */
-    int last = (cache_next + CACHE_SIZE - 1) % CACHE_SIZE;
-    if (cache[last] != NULL && lane_context(cache[last]) != lane_context(lane))
-        for (int i = 0; i < CACHE_SIZE; i++) Py_CLEAR(cache[i]);
-    Py_XSETREF(cache[cache_next], Py_NewRef(lane));
-    cache_next = (cache_next + 1) % CACHE_SIZE;
+    PyObject *last = cache->lanes[(cache->next + CACHE_SIZE - 1) % CACHE_SIZE];
+    if (last != NULL && lane_context(last) != lane_context(lane))
+        for (int i = 0; i < CACHE_SIZE; i++) Py_CLEAR(cache->lanes[i]);
+    Py_XSETREF(cache->lanes[cache->next], Py_NewRef(lane));
+    cache->next = (cache->next + 1) % CACHE_SIZE;
+}
+
+static PyObject *cache_find(LaneCache *cache, PyObject *ctx, PyArrayObject *array, PyObject *op) {
+    for (int i = 0; i < CACHE_SIZE; i++)
+        if (cache->lanes[i] != NULL && lane_matches(cache->lanes[i], ctx, array, op)) return cache->lanes[i];
+    return NULL;
+}
+
+void lane_cache_insert(PyObject *lane) { cache_insert(&ordinary, lane); }
+
+PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op) {
+    return cache_find(&ordinary, ctx, array, op);
 }
 
 const char forget_doc[] =
 "forget(ctx)\n--\n\n"
-"Drop the cache's lanes of context `ctx` (which is closing), and with them the cache's references to it.";
+"Drop the caches' lanes of context `ctx` (which is closing), and with them the caches' references to it.";
 
 PyObject *lane_cache_forget(PyObject *module, PyObject *ctx) {
     (void)module;
-    for (int i = 0; i < CACHE_SIZE; i++)
-        if (cache[i] != NULL && lane_context(cache[i]) == ctx) Py_CLEAR(cache[i]);
+    for (int i = 0; i < CACHE_SIZE; i++) {
+        if (ordinary.lanes[i] != NULL && lane_context(ordinary.lanes[i]) == ctx) Py_CLEAR(ordinary.lanes[i]);
+        if (held.lanes[i] != NULL && lane_context(held.lanes[i]) == ctx) Py_CLEAR(held.lanes[i]);
+    }
     Py_RETURN_NONE;
 }
 
-PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op) {
-    for (int i = 0; i < CACHE_SIZE; i++)
-        if (cache[i] != NULL && lane_matches(cache[i], ctx, array, op)) return cache[i];
-    return NULL;
+const char keep_held_doc[] =
+"keep_held(lane)\n--\n\n"
+"Have the entry start calls `all_reduce(array, op, held=True)` of `lane`'s kind (its context,\n"
+"op object, dtype object and shape) on `lane`: the compiled lane of the kept plan of held\n"
+"all-reduces in place on the full group (a COPY or CHECK lane reducing into the input, or a\n"
+"HELD lane in place), which the Python path found for such a call.\n\n"
+"Raises:\n    TypeError: `lane` is not such a lane.";
+
+PyObject *keep_held(PyObject *module, PyObject *lane) {
+    (void)module;
+    if (!lane_held_in_place(lane)) {
+        PyErr_SetString(PyExc_TypeError, "keep_held(lane) takes an all-reduce lane that can reduce in place");
+        return NULL;
+    }
+    cache_insert(&held, lane);
+    Py_RETURN_NONE;
 }
 
 const char find_lane_doc[] =
@@ -70,14 +103,16 @@ typedef struct {
     vectorcallfunc vectorcall;
 } Entry;
 
-/* input, op and devices of a call `all_reduce(input, op=None, devices=None)`; 0 when the
+/* input, op and devices of a call `all_reduce(input, op=None, devices=None)` (`*in_place`
+ * 0), or of `all_reduce(input, op=None, devices=None, held=True)` (`*in_place` 1); 0 when the
  * call has anything else (the general path takes it). */
 static int parse_call(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **input, PyObject **op,
-                      PyObject **devices) {
+                      PyObject **devices, int *in_place) {
     if (nargs < 1 || nargs > 3) return 0;
     *input = args[0];
     *op = nargs >= 2 ? args[1] : Py_None;
     *devices = nargs == 3 ? args[2] : Py_None;
+    *in_place = 0;
     Py_ssize_t keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
     for (Py_ssize_t i = 0; i < keywords; i++) {
         PyObject *name = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
@@ -85,6 +120,8 @@ static int parse_call(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
             *op = value;
         else if (nargs < 3 && PyUnicode_CompareWithASCIIString(name, "devices") == 0)
             *devices = value;
+        else if (value == Py_True && PyUnicode_CompareWithASCIIString(name, "held") == 0)
+            *in_place = 1;
         else
             return 0;
     }
@@ -119,11 +156,18 @@ static PyObject *on_lane_of_array(PyObject *ctx, PyObject *input, PyObject *op) 
 /* The call on its compiled lane: a new handle, NULL with an error, or None to go the general way. */
 static PyObject *on_lane(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *input, *op, *devices;
-    if (!consts.bound || !parse_call(args, nargs, kwnames, &input, &op, &devices) || devices != Py_None)
+    int in_place;
+    if (!consts.bound || !parse_call(args, nargs, kwnames, &input, &op, &devices, &in_place) || devices != Py_None)
         Py_RETURN_NONE;
     Py_ssize_t open = PyList_GET_SIZE(consts.open_contexts);
     if (open == 0) Py_RETURN_NONE;
     PyObject *ctx = PyList_GET_ITEM(consts.open_contexts, open - 1), *tensor = Py_None, *array = input;
+    if (in_place) {
+        /* Only a bare array's calls: the kept plan's lane as the Python path would start it. */
+        PyObject *lane = PyArray_CheckExact(input) ? cache_find(&held, ctx, (PyArrayObject *)input, op) : NULL;
+        if (lane == NULL) Py_RETURN_NONE;
+        return lane_start_in_place(lane, input);
+    }
     if (Py_IS_TYPE(input, types.tensor_type)) {
         tensor = input;
         array = TENSOR(input)->array;
@@ -220,7 +264,9 @@ PyDoc_STRVAR(Entry_doc,
 "A callable that starts a call on its compiled lane when it has one, else calls `general`.\n\n"
 "Calls of the form all_reduce(input, op=None, devices=None) with devices None, on a NumPy\n"
 "array or a Tensor of a kind whose lane the cache holds (or on a number, NumPy scalar or CPU\n"
-"torch tensor whose array `take_quickly` gives is of such a kind), start there; every other call, and\n"
+"torch tensor whose array `take_quickly` gives is of such a kind), start there; so do calls\n"
+"all_reduce(array, op=None, devices=None, held=True) of a NumPy array whose held lane the entry\n"
+"keeps (`keep_held`). Every other call, and\n"
 "every call the lane declines, is `general(*args, **kwargs)`. Attributes such as __doc__ and\n"
 "__wrapped__ can be set on it (functools.update_wrapper).");
 

@@ -984,6 +984,17 @@ static PyObject *Lane_start_into(PyObject *self, PyObject *const *args, Py_ssize
     return start(lane, lane->device, (PyArrayObject *)array, out);
 }
 
+int lane_held_in_place(PyObject *self) {
+    if (!Py_IS_TYPE(self, &LaneType)) return 0;
+    Lane *lane = (Lane *)self;
+    return lane->collective == OF_ALL_REDUCE && (lane->kind != LANE_HELD || !lane->into);
+}
+
+PyObject *lane_start_in_place(PyObject *self, PyObject *array) {
+    PyObject *args[2] = {array, array};
+    return ((Lane *)self)->kind == LANE_HELD ? Lane_start_held(self, args, 2) : Lane_start_into(self, args, 2);
+}
+
 PyDoc_STRVAR(Lane_run_held_doc,
 "run_held(array, out)\n--\n\n"
 "`start_held(array, out)` waiting at the call (`wait_at_call`), then the result resolved: for\n"

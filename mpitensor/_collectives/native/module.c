@@ -160,6 +160,7 @@ static PyMethodDef methods[] = {
     {"resolve_for", resolve_for, METH_O, resolve_for_doc},
     {"check_op", check_op, METH_O, check_op_doc},
     {"forget", lane_cache_forget, METH_O, forget_doc},
+    {"keep_held", keep_held, METH_O, keep_held_doc},
     {"set_before_call", set_before_call, METH_O, set_before_call_doc},
     {"wait_at_call", wait_at_call, METH_O, wait_at_call_doc},
     {"find_lane", (PyCFunction)(void (*)(void))find_lane, METH_FASTCALL, find_lane_doc},

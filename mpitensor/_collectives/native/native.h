@@ -173,6 +173,12 @@ extern PyTypeObject EntryType;
 PyObject *lane_start(PyObject *lane, PyObject *tensor, PyObject *array);
 int lane_matches(PyObject *lane, PyObject *ctx, PyArrayObject *array, PyObject *op);
 PyObject *lane_context(PyObject *lane); /* borrowed */
+/* Whether `lane` is an all-reduce lane that can reduce an array in place (`lane_start_in_place`). */
+int lane_held_in_place(PyObject *lane);
+/* A held all-reduce of `array` in place on `lane`: a new handle, NULL with an error, or None (declined). */
+PyObject *lane_start_in_place(PyObject *lane, PyObject *array);
+extern const char keep_held_doc[];
+PyObject *keep_held(PyObject *module, PyObject *lane);
 void lane_cache_insert(PyObject *lane);
 PyObject *lane_cache_find(PyObject *ctx, PyArrayObject *array, PyObject *op);
 PyObject *lane_cache_forget(PyObject *module, PyObject *ctx);
