@@ -11,7 +11,11 @@ only: ``mt.all_reduce`` of 8 B (check on and off), 64 KiB and 1 MiB; the torch b
 broadcast and all-gather of 8 B against mpi4jax's (where installed). A figure is the 10th
 percentile of a job's batches (each batch starts at a barrier); the table gives, per case, the
 median over rounds of each tree's figure and of their ratio within a round (this / base): the
-machine's noise moves both trees of a round alike. Rank 0 prints the table (Markdown).
+machine's noise moves both trees of a round alike. Each job also times mpi4py's ``Allreduce``
+of 8 B, 64 KiB and 1 MiB, and a last column compares the trees with each case divided by MPI's
+own time in its job (mpi4py's call of its size; mpi4jax's for mpitensor.jax): where the ranks'
+placement on the cores changes from job to job, that moves MPI's own time too, by up to 2x
+here. Rank 0 prints the table (Markdown).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ def timed(call, count, comm, samples, name):
 
 samples = {}
 comm = MPI.COMM_WORLD
+for n, label, count in ((2, "8 B", 2000), (16384, "64 KiB", 300), (262144, "1 MiB", 60)):
+    send, receive = np.ones(n, np.float32), np.empty(n, np.float32)
+    timed(lambda s=send, r=receive: comm.Allreduce(s, r), count, comm, samples, f"mpi4py Allreduce {label}")
 for check in (False, True):
     with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)):
         small = np.ones(2, np.float32)
@@ -123,15 +130,37 @@ def main() -> int:
     return 0
 
 
+def _reference(case: str) -> str:
+    """The case of the same job that measures MPI's own time for `case` (mpi4py's or mpi4jax's call)."""
+    if case.startswith("jax "):
+        return "mpi4jax " + case[len("jax "):]
+    size = next((label for label in ("8 B", "64 KiB", "1 MiB") if f" {label}" in case), None)
+    return f"mpi4py Allreduce {size}" if size is not None and not case.startswith(("mpi4py", "mpi4jax")) else ""
+
+
 def _table(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> str:
-    cases = [case for case in runs["this"][0] if all(case in run for run in runs["this"] + runs["base"])]
+    """The table: per case each tree's time, this / base, and this / base each against MPI's own time in its job.
+
+    A job's process placement on the cores moves all its figures alike (MPI's own too, by up
+    to 2x on this machine): the last column divides each case by its reference case measured
+    in the same job (`_reference`) before comparing the trees.
+    """
+    every = runs["this"] + runs["base"]
+    cases = [case for case in runs["this"][0] if all(case in run for run in every)]
     lines = [f"2 ranks, {args.venv.name}, {args.rounds} rounds, base {args.base}", "",
-             "| case | base us | this us | this / base (median of rounds) |", "|---|---|---|---|"]
+             "| case | base us | this us | this / base | this / base, each against MPI's own in its job |",
+             "|---|---|---|---|---|"]
     for case in cases:
         base = [run[case] for run in runs["base"]]
         this = [run[case] for run in runs["this"]]
         ratio = statistics.median(t / b for t, b in zip(this, base))
-        lines.append(f"| {case} | {statistics.median(base):.2f} | {statistics.median(this):.2f} | {ratio:.3f} |")
+        ref = _reference(case)
+        against = ""
+        if ref in cases:
+            pairs = zip(runs["this"], runs["base"])
+            against = f"{statistics.median((t[case] / t[ref]) / (b[case] / b[ref]) for t, b in pairs):.3f}"
+        lines.append(f"| {case} | {statistics.median(base):.2f} | {statistics.median(this):.2f} | {ratio:.3f} | "
+                     f"{against} |")
     return "\n".join(lines)
 
 
