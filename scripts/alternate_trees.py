@@ -11,11 +11,11 @@ only: ``mt.all_reduce`` of 8 B (check on and off), 64 KiB and 1 MiB; the torch b
 broadcast and all-gather of 8 B against mpi4jax's (where installed). A figure is the 10th
 percentile of a job's batches (each batch starts at a barrier); the table gives, per case, the
 median over rounds of each tree's figure and of their ratio within a round (this / base): the
-machine's noise moves both trees of a round alike. Each job also times mpi4py's ``Allreduce``
-of 8 B, 64 KiB and 1 MiB, and a last column compares the trees with each case divided by MPI's
-own time in its job (mpi4py's call of its size; mpi4jax's for mpitensor.jax): where the ranks'
-placement on the cores changes from job to job, that moves MPI's own time too, by up to 2x
-here. Rank 0 prints the table (Markdown).
+machine's noise moves both trees of a round alike. Each batch of a case is followed by a batch
+of MPI's own call (mpi4py's ``Allreduce`` of the size; mpi4jax's call for mpitensor.jax), and a
+last column compares the trees' ratios of the case to it (each job's the median of its batch
+pairs): the ranks' placement on the cores changes from job to job and moves a job's every
+figure, MPI's own by up to 2x here. Rank 0 prints the table (Markdown).
 """
 
 from __future__ import annotations
@@ -37,38 +37,51 @@ import numpy as np
 import mpitensor as mt
 from mpi4py import MPI
 
-def timed(call, count, comm, samples, name):
+def batch(call, count, comm):
+    comm.Barrier()
+    start = time.perf_counter_ns()
+    for _ in range(count):
+        call()
+    return (time.perf_counter_ns() - start) / count / 1000
+
+def timed(call, count, comm, samples, name, reference=None):
+    # Batches of the case, each followed by one of its reference (MPI's own call) when it has one.
     for _ in range(max(1, count // 10)):
         call()
+        if reference is not None:
+            reference()
     for _ in range(9):
-        comm.Barrier()
-        start = time.perf_counter_ns()
-        for _ in range(count):
-            call()
-        samples.setdefault(name, []).append((time.perf_counter_ns() - start) / count / 1000)
+        took = batch(call, count, comm)
+        samples.setdefault(name, []).append(took)
+        if reference is not None:
+            samples.setdefault(name + " / MPI", []).append(took / batch(reference, count, comm))
+
+def mpi4py_allreduce(n):
+    send, receive = np.ones(n, np.float32), np.empty(n, np.float32)
+    return lambda: comm.Allreduce(send, receive)
 
 samples = {}
 comm = MPI.COMM_WORLD
-for n, label, count in ((2, "8 B", 2000), (16384, "64 KiB", 300), (262144, "1 MiB", 60)):
-    send, receive = np.ones(n, np.float32), np.empty(n, np.float32)
-    timed(lambda s=send, r=receive: comm.Allreduce(s, r), count, comm, samples, f"mpi4py Allreduce {label}")
+SIZES = {"8 B": 2, "64 KiB": 16384, "1 MiB": 262144}
 for check in (False, True):
     with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)):
         small = np.ones(2, np.float32)
         name = f"all_reduce 8 B check {'on' if check else 'off'}"
-        timed(lambda: mt.all_reduce(small).resolve(), 2000, comm, samples, name)
+        timed(lambda: mt.all_reduce(small).resolve(), 2000, comm, samples, name, mpi4py_allreduce(2))
         if check:
-            for n, label, count in ((16384, "64 KiB", 300), (262144, "1 MiB", 60)):
-                x = np.ones(n, np.float32)
-                timed(lambda x=x: mt.all_reduce(x).resolve(), count, comm, samples, f"all_reduce {label}")
+            for label, count in (("64 KiB", 300), ("1 MiB", 60)):
+                x = np.ones(SIZES[label], np.float32)
+                timed(lambda x=x: mt.all_reduce(x).resolve(), count, comm, samples, f"all_reduce {label}",
+                      mpi4py_allreduce(SIZES[label]))
 try:
     import torch, torch.distributed as dist
     import mpitensor.torch  # noqa: F401
     with mt.DistributedContext.init():
         dist.init_process_group("mpitensor")
-        for n, label, count in ((2, "8 B", 2000), (262144, "1 MiB", 60)):
-            t = torch.zeros(n)
-            timed(lambda t=t: dist.all_reduce(t), count, comm, samples, f"torch backend all_reduce {label}")
+        for label, count in (("8 B", 2000), ("1 MiB", 60)):
+            t = torch.zeros(SIZES[label])
+            timed(lambda t=t: dist.all_reduce(t), count, comm, samples, f"torch backend all_reduce {label}",
+                  mpi4py_allreduce(SIZES[label]))
         dist.destroy_process_group()
 except ImportError:
     pass
@@ -88,14 +101,14 @@ try:
         except ImportError:
             theirs = {}
         for name, call in calls.items():
-            timed(lambda c=call: c(x).block_until_ready(), 1000, comm, samples, f"jax {name} 8 B in jit")
-            if name in theirs:
-                timed(lambda c=theirs[name]: c(x).block_until_ready(), 1000, comm, samples,
-                      f"mpi4jax {name} 8 B in jit")
+            reference = None if name not in theirs else (lambda c=theirs[name]: c(x).block_until_ready())
+            timed(lambda c=call: c(x).block_until_ready(), 1000, comm, samples, f"jax {name} 8 B in jit", reference)
 except ImportError:
     pass
 if comm.Get_rank() == 0:
-    print("RESULT " + json.dumps({name: float(np.percentile(v, 10)) for name, v in samples.items()}), flush=True)
+    figures = {name: float(np.percentile(v, 10)) for name, v in samples.items() if not name.endswith(" / MPI")}
+    figures.update({name: float(np.median(v)) for name, v in samples.items() if name.endswith(" / MPI")})
+    print("RESULT " + json.dumps(figures), flush=True)
 '''
 
 
@@ -130,23 +143,17 @@ def main() -> int:
     return 0
 
 
-def _reference(case: str) -> str:
-    """The case of the same job that measures MPI's own time for `case` (mpi4py's or mpi4jax's call)."""
-    if case.startswith("jax "):
-        return "mpi4jax " + case[len("jax "):]
-    size = next((label for label in ("8 B", "64 KiB", "1 MiB") if f" {label}" in case), None)
-    return f"mpi4py Allreduce {size}" if size is not None and not case.startswith(("mpi4py", "mpi4jax")) else ""
-
-
 def _table(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> str:
     """The table: per case each tree's time, this / base, and this / base each against MPI's own time in its job.
 
     A job's process placement on the cores moves all its figures alike (MPI's own too, by up
-    to 2x on this machine): the last column divides each case by its reference case measured
-    in the same job (`_reference`) before comparing the trees.
+    to 2x on this machine): the last column compares the trees' ratios of each case to MPI's
+    own call (mpi4py's all-reduce of the size; mpi4jax's call for mpitensor.jax), each the
+    median of the job's batch pairs, one batch of the case then one of MPI's.
     """
     every = runs["this"] + runs["base"]
-    cases = [case for case in runs["this"][0] if all(case in run for run in every)]
+    cases = [case for case in runs["this"][0]
+             if not case.endswith(" / MPI") and all(case in run for run in every)]
     lines = [f"2 ranks, {args.venv.name}, {args.rounds} rounds, base {args.base}", "",
              "| case | base us | this us | this / base | this / base, each against MPI's own in its job |",
              "|---|---|---|---|---|"]
@@ -154,11 +161,10 @@ def _table(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
         base = [run[case] for run in runs["base"]]
         this = [run[case] for run in runs["this"]]
         ratio = statistics.median(t / b for t, b in zip(this, base))
-        ref = _reference(case)
-        against = ""
-        if ref in cases:
+        against, ref = "", case + " / MPI"
+        if all(ref in run for run in every):
             pairs = zip(runs["this"], runs["base"])
-            against = f"{statistics.median((t[case] / t[ref]) / (b[case] / b[ref]) for t, b in pairs):.3f}"
+            against = f"{statistics.median(t[ref] / b[ref] for t, b in pairs):.3f}"
         lines.append(f"| {case} | {statistics.median(base):.2f} | {statistics.median(this):.2f} | {ratio:.3f} | "
                      f"{against} |")
     return "\n".join(lines)
