@@ -29,7 +29,8 @@
 # with apt-get when `ip` is missing and creates the venvs with scripts/make-venv.sh.
 # Everything it creates (namespaces, links, /etc/netns/<ns>, temp files) carries its pid in
 # the name and is removed on exit, failure or interrupt included. Logs: logs/cluster/multihost.
-# Settings: MPT_MPIS="mpich openmpi", RUN_LIMIT=120 (s per run), FAILFAST_LIMIT=20 (the
+# Settings: MPT_MPIS="mpich openmpi", MPT_SLOTS="2 2 1" (ranks per host, one word per host:
+# "4 4 4 4 4 4 4 4" makes 8 hosts of 4 ranks), RUN_LIMIT=120 (s per run), FAILFAST_LIMIT=20 (the
 # ranks' own timeout, MPITENSOR_TIMEOUT, is 60 s: a job that only ends by timing out
 # fails), MPT_MIB=8 (message size of the bandwidth figures), MPT_FAILFAST_EXTRA (a control:
 # "--no-fail-fast" turns fail-fast off in the job, and the failfast step must then fail).
@@ -74,8 +75,9 @@ done
 # -- the hosts ------------------------------------------------------------------------------
 sfx=".$$"
 switch="mpt-sw$sfx"
-hosts=(mpt-h1 mpt-h2 mpt-h3)
-slots=(2 2 1)
+read -r -a slots <<< "${MPT_SLOTS:-2 2 1}"
+hosts=()
+for i in "${!slots[@]}"; do hosts+=("mpt-h$((i + 1))"); done
 subnet=10.251.77
 made_etc_netns=0
 [ -d /etc/netns ] || made_etc_netns=1
@@ -132,6 +134,13 @@ host_list=${host_list%,}
 nranks=0
 for n in "${slots[@]}"; do nranks=$((nranks + n)); done
 per_host=$(IFS=,; echo "${slots[*]}")
+[ "$nranks" -ge 4 ] || { echo "test-multihost: MPT_SLOTS must give at least 4 ranks (rank 3 fails on purpose)" >&2; exit 2; }
+# The host of rank 3, which the fail-fast step makes fail: ranks fill the hosts in order.
+failing_host="" first=0
+for i in "${!hosts[@]}"; do
+  if [ -z "$failing_host" ] && [ $((first + slots[i])) -gt 3 ]; then failing_host=${hosts[$i]}; fi
+  first=$((first + slots[i]))
+done
 say "hosts ${host_list} (namespaces *$sfx, bridge in $switch)"
 
 # The command prefix that runs a command on the first host: in its namespace, under its host
@@ -238,7 +247,7 @@ EOF
     fail "$mpi info: exit $status or no line '$summary'"
     info_ok=0
   fi
-  # Ranks fill the hosts in order: mpt-h1 gets 0 and 1, mpt-h2 gets 2 and 3, mpt-h3 gets 4.
+  # Ranks fill the hosts in order (default slots: mpt-h1 gets 0 and 1, mpt-h2 gets 2 and 3, mpt-h3 gets 4).
   rank=0
   for i in "${!hosts[@]}"; do
     ranks=() locals=()
@@ -258,7 +267,7 @@ EOF
   done
   [ "$info_ok" = 0 ] || say "$mpi info: every host and local rank listed"
 
-  # failfast: rank 3 is the second rank of mpt-h2. The job must end, non-zero and soon, every
+  # failfast: rank 3 (with the default slots the second rank of mpt-h2). The job must end, non-zero and soon, every
   # time. Its traceback must reach mpiexec's output too, but a launcher can lose the stderr
   # of a rank that aborts (seen with MPICH's Hydra about once in 30 runs: no output at all),
   # so a run that ended correctly but shows nothing is repeated once before it counts.
@@ -275,13 +284,13 @@ EOF
     if [ "$status" = 0 ] || [ "$took" -gt "$failfast_limit" ]; then
       fail "$mpi failfast: exit $status after $took s (expected non-zero within ${failfast_limit} s)"
       tail -n 30 "$log"
-    elif grep -q "\[rank 3\].*deliberate failure on rank 3 (host mpt-h2)" "$log"; then
-      say "$mpi failfast: rank 3 on mpt-h2 raised, job ended with exit $status after $took s"
+    elif grep -q "\[rank 3\].*deliberate failure on rank 3 (host $failing_host)" "$log"; then
+      say "$mpi failfast: rank 3 on $failing_host raised, job ended with exit $status after $took s"
     elif [ "$attempt" = 1 ]; then
       say "$mpi failfast: job ended with exit $status after $took s, but no output of rank 3 reached mpiexec ($(wc -l < "$log") line(s)); once more"
       continue
     else
-      fail "$mpi failfast: twice no traceback of rank 3 on mpt-h2 in $log"
+      fail "$mpi failfast: twice no traceback of rank 3 on $failing_host in $log"
       tail -n 30 "$log"
     fi
     break
