@@ -190,20 +190,32 @@ def run_job(script: str, nprocs: int, timeout: float = 60, env: dict[str, str] |
     command = [str(ROOT / "scripts" / "mpirun.sh"), "--venv", str(venv), *launch, "-n", str(nprocs), sys.executable,
                str(path)]
     start = time.monotonic()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_clean_env(env),
-                              start_new_session=True, check=False)
-        code, out, err = done.returncode, done.stdout, done.stderr
-    except subprocess.TimeoutExpired as exc:
-        code = 124
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        _kill_group(exc)
+    code, out, err = _launch(command, timeout, env)
+    if code != 0 and _LAUNCHER_FAILED in err and not any(directory.glob("*.txt")):
+        # Open MPI's launcher now and then fails to start its PMIx server (no rank ran): once more.
+        code, out, err = _launch(command, timeout, env)
     reports = {
         int(file.stem[4:]): file.read_text().splitlines() for file in directory.glob("rank*.txt")
     }
     captured = "".join(file.read_text() for file in sorted(directory.glob("stderr*.txt")))
     return ChildResult(code, out, err + captured, time.monotonic() - start, reports)
+
+
+# What Open MPI's launcher says when it could not start, before any rank ran.
+_LAUNCHER_FAILED = "The PMIx server's listener thread failed to start"
+
+
+def _launch(command: list[str], timeout: float, env: dict[str, str] | None) -> tuple[int, str, str]:
+    """Run a job's launch command: its status (124 past `timeout`), stdout and stderr."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_clean_env(env),
+                              start_new_session=True, check=False)
+        return done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        _kill_group(exc)
+        return 124, out, err
 
 
 def _kill_group(exc: subprocess.TimeoutExpired) -> None:
