@@ -187,7 +187,8 @@ set +m
 # Open MPI's launcher under --with-ft ulfm now and then stays up after every rank has ended (seen
 # after an MPI_Abort that followed a rank's death: prterun stuck on a lock of its own, its ranks
 # left unreaped): once it has had no live child process (its ranks, or the agents that reach other
-# hosts) for 5 s after it had some, it is ended, status 1.
+# hosts) for 5 s after it had some, it is ended, status 1. It looks 5 times a second: ranks that
+# fail at once (a death, then the abort, within a second of the start) live longer than that.
 watchdog="" outlived="${TMPDIR:-/tmp}/mpirun.sh.$$.outlived"
 if [ "$watch_outlived" = 1 ] && ps -o stat= --ppid $$ >/dev/null 2>&1; then
   (
@@ -198,14 +199,14 @@ if [ "$watch_outlived" = 1 ] && ps -o stat= --ppid $$ >/dev/null 2>&1; then
       if ps -o stat= --ppid "$child" 2>/dev/null | grep -qv '^Z'; then had=1 idle=0
       elif [ "$had" = 1 ]; then idle=$((idle + 1))
       fi
-      if [ "$idle" -ge 5 ]; then
+      if [ "$idle" -ge 25 ]; then
         : > "$outlived"
         kill -TERM "$child" 2>/dev/null || true
         sleep 2
         kill -KILL "$child" 2>/dev/null || true
         break
       fi
-      sleep 1
+      sleep 0.2
     done
   ) &
   watchdog=$!
