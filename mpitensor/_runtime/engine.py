@@ -615,13 +615,7 @@ class Engine(EngineRecord):
         try:
             started = op.post(op.gathered) if op.exchange is not False or op.payload is not None else op.post()
         except MPI.Exception as exc:
-            faults = self.faults
-            if faults is not None and faults.is_failure(exc):
-                op.error = faults.failed(op.describe())  # a rank died: every survivor learns it
-            else:
-                message = f"MPI failed to start {op.describe()}: {exc}"
-                self.ctx.mark_broken(message)
-                op.error = ContextBrokenError(message)
+            op.error = self.mpi_failed(exc, None, f"the start of {op.describe()}")
             self._fail(op)
             return
         except BaseException as exc:
