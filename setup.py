@@ -33,6 +33,14 @@ def _extensions() -> list[Extension]:
             extra_compile_args=["-O2"],
             optional=True,
         ),
+        # The idle rule inside Open MPI's blocking calls (_core/idle.py).
+        Extension(
+            "mpitensor._core._idle",
+            sources=["mpitensor/_core/native/idle.c"],
+            depends=["mpitensor/_core/native/idle.h"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
         Extension(
             "mpitensor._core.kernels._keys",
             sources=["mpitensor/_core/kernels/keys.c"],
@@ -45,7 +53,8 @@ def _extensions() -> list[Extension]:
             "mpitensor._collectives.native._lanes",
             sources=[f"mpitensor/_collectives/native/{name}" for name in _SOURCES],
             depends=["mpitensor/_collectives/native/native.h", "mpitensor/_runtime/tracing/native/ring_api.h",
-                     "mpitensor/_core/kernels/keys.h", "mpitensor/_core/native/records.h"],
+                     "mpitensor/_core/kernels/keys.h", "mpitensor/_core/native/records.h",
+                     "mpitensor/_core/native/idle.h"],
             include_dirs=[numpy.get_include(), "mpitensor/_runtime/tracing/native", "mpitensor/_core/kernels",
                           "mpitensor/_core/native"],
             # Strict IEEE arithmetic: the reductions must give NumPy's bits, never fused or reordered.

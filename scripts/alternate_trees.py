@@ -7,7 +7,7 @@ compiled parts built in place, ``python setup.py build_ext --inplace``), this ch
 ``--this``'s) and `BASE_TREE`'s in turn (the order
 alternating from round to round), and every job times the same calls through public names
 only: ``mt.all_reduce`` of 8 B (check on and off), 64 KiB and 1 MiB; the torch backend's
-``dist.all_reduce`` of 8 B and 1 MiB; and inside ``jax.jit`` mpitensor.jax's all-reduce,
+``dist.all_reduce`` of 8 B, 332 KiB and 1 MiB; and inside ``jax.jit`` mpitensor.jax's all-reduce,
 broadcast and all-gather of 8 B against mpi4jax's (where installed). A figure is the 10th
 percentile of a job's batches (each batch starts at a barrier); the table gives, per case, the
 median over rounds of each tree's figure and of their ratio within a round (this / base): the
@@ -62,7 +62,7 @@ def mpi4py_allreduce(n):
 
 samples = {}
 comm = MPI.COMM_WORLD
-SIZES = {"8 B": 2, "64 KiB": 16384, "1 MiB": 262144}
+SIZES = {"8 B": 2, "64 KiB": 16384, "332 KiB": 84992, "1 MiB": 262144}
 for check in (False, True):
     with mt.DistributedContext.init(config=mt.DistributedConfig(check=check)):
         small = np.ones(2, np.float32)
@@ -78,7 +78,7 @@ try:
     import mpitensor.torch  # noqa: F401
     with mt.DistributedContext.init():
         dist.init_process_group("mpitensor")
-        for label, count in (("8 B", 2000), ("1 MiB", 60)):
+        for label, count in (("8 B", 2000), ("332 KiB", 150), ("1 MiB", 60)):
             t = torch.zeros(SIZES[label])
             timed(lambda t=t: dist.all_reduce(t), count, comm, samples, f"torch backend all_reduce {label}",
                   mpi4py_allreduce(SIZES[label]))

@@ -1,94 +1,217 @@
-"""MPI's blocking calls give the core back while they wait for a peer.
+"""A rank that waits for a peer gives its core back, and gets it back soon where others want it.
 
-Open MPI spins in a blocking call until its peers arrive, unless its ``mpi_yield_when_idle``
-is set: then its progress loop yields the core whenever a round finds nothing to do. On a
-machine whose cores are busy (a laptop running other work, a shared node, a CI box,
-oversubscribed test ranks) a rank spinning in ``MPI_Allreduce`` keeps its core while the peer
-it waits for needs one: a 332 KiB all-reduce took 13-18 ms where gloo's took 0.5-0.7 ms. The
-setting is read when MPI is initialized, which mpitensor does not always do (a program that
-imported mpi4py first has MPI initialized already), so mpitensor switches Open MPI's progress
-to yield through Open MPI's own exported setter around each blocking call it makes, and back
-after it: its nonblocking tests, which are its own loops and yield by themselves
-(`engine.Backoff`), keep their speed on a quiet machine. A program that set
-``OMPI_MCA_mpi_yield_when_idle`` itself keeps its choice. MPICH's progress loop yields every
-1,000 polls already (``MPIR_CVAR_POSIX_POLL_FREQUENCY``), so its blocking calls need nothing.
+On a machine whose cores are busy (a laptop running other work, a shared node, a CI box,
+oversubscribed test ranks) a rank that spins while it waits keeps its core from the peer it
+waits for, and one that yields (``sched_yield``) to a program that wants the core waits that
+program's whole time slice under Linux's scheduler: a 332 KiB all-reduce took 10-18 ms where
+gloo's, which sleeps in the kernel until its data comes, took 0.5-1.7 ms. So mpitensor's waits
+spin briefly, then yield while yields come back at once (the core is free), and sleep briefly
+once one came back late (the core is contested; `native/idle.h`, and the engine's `Backoff`).
+
+MPI's blocking calls wait in MPI's own loop. Open MPI's calls the functions registered with
+``opal_progress_register`` on each round: mpitensor registers one (`native/idle.c`) that,
+while one of mpitensor's blocking calls is armed (`idling`), follows the rule above, so
+the blocking call keeps its speed on a quiet machine and gives the core back on a busy one.
+It is registered once MPI is loaded, also where the program imported mpi4py first. Where the
+compiled module is missing, Open MPI's own ``opal_progress_set_yield_when_idle`` is set
+around the call instead (yields only). A program that set ``OMPI_MCA_mpi_yield_when_idle``
+itself keeps its choice. Other MPIs (MPICH, Intel MPI) offer no such hook, and their loops
+yield every 1,000 polls: there mpitensor posts the nonblocking form of the call and waits for
+it itself (`wait`), as the compiled held calls do in C (`blocking_waits` says which; the
+nonblocking forms took the blocking ones' time there, while Open MPI's took up to 2.5 times
+as long).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import time
 from typing import Any
 
-__all__ = ["open_mpi_setter", "open_mpi_yields", "setter_address", "yielding"]
+__all__ = [
+    "arm_address", "blocking_waits", "idle_call", "idling", "open_mpi_arm", "open_mpi_yields", "pause",
+    "sleeps_when_contested", "wait",
+]
+
+# As native/idle.h: a wait spins this long before it pauses; a yield slower than SLOW_YIELD_NS
+# gave the core away, a second within AGAIN_NS marks it contested, and pauses then sleep
+# SLEEP_SECONDS for CONTESTED_NS.
+SPIN_NS = 50_000
+SLOW_YIELD_NS = 250_000
+AGAIN_NS = 100_000_000
+CONTESTED_NS = 1_000_000_000
+SLEEP_SECONDS = 20e-6
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+_now = time.monotonic_ns
+
+
+class _Contested:
+    """Until when (`time.monotonic_ns`) this process's pauses sleep, and when the last late yield ended."""
+
+    __slots__ = ("slow_at", "until")
+
+    def __init__(self) -> None:
+        self.until = 0
+        self.slow_at = 0
+
+
+_contested = _Contested()
+
+
+def pause() -> None:
+    """One pause of a wait for a peer: a yield, or a short sleep while the core is contested (`native/idle.h`)."""
+    start = _now()
+    if start < _contested.until:
+        time.sleep(SLEEP_SECONDS)
+        return
+    # Not time.sleep(0), which sleeps a timer slack (50 us or more): a yield costs a
+    # microsecond when nobody else wants the core.
+    _yield()
+    end = _now()
+    if end - start > SLOW_YIELD_NS:
+        if end - _contested.slow_at < AGAIN_NS:
+            _contested.until = end + CONTESTED_NS
+        _contested.slow_at = end
 
 _SETTER = "opal_progress_set_yield_when_idle"
+_REGISTER = "opal_progress_register"
 _LIBRARY = "libopen-pal"
 
 
 class _Found:
-    """Open MPI's setter, looked up once: a ctypes function, or None where there is none (or the user chose)."""
+    """What arms Open MPI's blocking calls, looked up once: a ctypes function, or None."""
 
-    __slots__ = ("function", "library", "looked")
+    __slots__ = ("function", "library", "looked", "ours")
 
     def __init__(self) -> None:
         self.looked = False
         self.function: Any = None
         self.library: Any = None
+        self.ours = False
 
 
 _found = _Found()
 
 
-def open_mpi_setter() -> Any:
-    """Open MPI's ``opal_progress_set_yield_when_idle`` (a ctypes function); None: not Open MPI, or the program chose.
+def open_mpi_arm() -> Any:
+    """The ``bool (bool)`` function set around a blocking call (it returns the previous setting); None without.
 
-    Call it once MPI is loaded.
+    mpitensor's progress callback's switch where it is registered, else Open MPI's
+    ``opal_progress_set_yield_when_idle``; None where MPI is not Open MPI, or the program chose
+    (``OMPI_MCA_mpi_yield_when_idle``). Call it once MPI is loaded.
     """
     if not _found.looked:
         _found.looked = True
         if "OMPI_MCA_mpi_yield_when_idle" not in os.environ:
-            _found.library, _found.function = _load()
+            _found.library = _open_pal()
+            if _found.library is not None:
+                _found.function, _found.ours = _arm(_found.library)
     return _found.function
 
 
+def sleeps_when_contested() -> bool:
+    """Whether Open MPI's blocking calls follow mpitensor's idle rule (its progress callback is registered)."""
+    return open_mpi_arm() is not None and _found.ours
+
+
 def open_mpi_yields() -> bool | None:
-    """Whether Open MPI's progress yields the core when idle now; None where `open_mpi_setter` is None."""
-    if open_mpi_setter() is None:
+    """Whether Open MPI's own progress yields the core when idle now; None where `open_mpi_arm` is None."""
+    if open_mpi_arm() is None:
         return None
     return ctypes.c_bool.in_dll(_found.library, "opal_progress_yield_when_idle").value
 
 
-def _load() -> tuple[Any, Any]:
-    """libopen-pal as this process loaded it, and its ``opal_progress_set_yield_when_idle``; (None, None) without."""
+def _open_pal() -> Any:
+    """libopen-pal as this process loaded it; None without."""
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
             paths = {line.split()[-1] for line in maps if _LIBRARY in line and "/" in line}
     except OSError:
-        return None, None
+        return None
     for path in sorted(paths):
         try:
             library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            function = getattr(library, _SETTER)
+            getattr(library, _SETTER)
         except (OSError, AttributeError):
             continue
-        function.argtypes = [ctypes.c_bool]
-        function.restype = ctypes.c_bool
-        return library, function
-    return None, None
+        return library
+    return None
 
 
-def setter_address() -> int:
-    """The address of Open MPI's setter, for compiled code that makes blocking calls (0: none, nothing to do).
+def _arm(library: Any) -> tuple[Any, bool]:
+    """Register mpitensor's progress callback and return its switch, True; else Open MPI's yield setter, False."""
+    switch = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_bool)
+    try:
+        from ._idle import addresses  # type: ignore[import-not-found]
+
+        progress, arm = addresses()
+        register = getattr(library, _REGISTER)
+    except (ImportError, AttributeError):
+        setter = getattr(library, _SETTER)
+        return switch(ctypes.cast(setter, ctypes.c_void_p).value), False
+    register.argtypes = [ctypes.c_void_p]
+    register.restype = ctypes.c_int
+    if register(progress) != 0:
+        setter = getattr(library, _SETTER)
+        return switch(ctypes.cast(setter, ctypes.c_void_p).value), False
+    return switch(arm), True
+
+
+def blocking_waits() -> bool:
+    """Whether mpitensor's waits for MPI's data are MPI's blocking calls (Open MPI) or its own (`wait`).
+
+    The same on every rank of a job (it depends on the MPI only), so no blocking call ever
+    pairs with a nonblocking one. Call it once MPI is loaded.
+    """
+    from .mpi import vendor
+
+    return vendor()[0] == "Open MPI"
+
+
+def wait(request: Any) -> None:
+    """Test `request` until it completes, pausing between tests once `SPIN_NS` passed (`pause`).
+
+    Raises:
+        MPI.Exception: MPI failed the request.
+    """
+    test = request.Test
+    start = _now()
+    while not test():
+        if _now() - start >= SPIN_NS:
+            pause()
+
+
+def idle_call(blocking: Any, nonblocking: Any, *args: Any, **kwargs: Any) -> None:
+    """Run an MPI call to its end, giving the core back while it waits for a peer.
+
+    Args:
+        blocking: MPI's blocking call (an mpi4py method), run where `blocking_waits` (armed: `idling`).
+        nonblocking: its nonblocking form, run elsewhere and waited by `wait`.
+        args, kwargs: the call's arguments, the same for both.
+
+    Raises:
+        MPI.Exception: MPI failed the call.
+    """
+    if blocking_waits():
+        with idling():
+            blocking(*args, **kwargs)
+    else:
+        wait(nonblocking(*args, **kwargs))
+
+
+def arm_address() -> int:
+    """The address of `open_mpi_arm`'s function, for compiled code that makes blocking calls (0: none, nothing to do).
 
     Call it once MPI is loaded.
     """
-    function = open_mpi_setter()
+    function = open_mpi_arm()
     return 0 if function is None else ctypes.cast(function, ctypes.c_void_p).value or 0
 
 
-class yielding:  # noqa: N801 - used as a statement, like a function
-    """Around one blocking MPI call: Open MPI's progress yields the core while it finds nothing to do.
+class idling:  # noqa: N801 - used as a statement, like a function
+    """Around one blocking MPI call: while it waits for a peer, Open MPI's progress gives the core back.
 
     A no-op where MPI is not Open MPI, or the program set ``OMPI_MCA_mpi_yield_when_idle``.
     """
@@ -96,9 +219,9 @@ class yielding:  # noqa: N801 - used as a statement, like a function
     __slots__ = ("previous",)
 
     def __enter__(self) -> None:
-        setter = open_mpi_setter()
-        self.previous = None if setter is None else setter(True)
+        arm = open_mpi_arm()
+        self.previous = None if arm is None else arm(True)
 
     def __exit__(self, *exc: object) -> None:
         if self.previous is not None:
-            open_mpi_setter()(self.previous)
+            open_mpi_arm()(self.previous)

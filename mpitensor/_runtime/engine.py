@@ -16,7 +16,6 @@ holds its `CollectiveTensor`; that is what makes dropping a handle safe.
 from __future__ import annotations
 
 import functools
-import os
 import pickle
 import struct
 import threading
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from .._core.errors import CollectiveTimeoutError, ContextBrokenError, ThreadMisuseError
+from .._core.idle import pause
 from .._core.mpi import MPI
 from .._core.protect import claim
 from .._core.records import EngineRecord, GroupRecord, OpRecord
@@ -1064,7 +1064,6 @@ class WatchedEngine(Engine):
         super().submit(op, grace)
 
 
-_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 _SPINS = 64  # tests of a check's request between rounds of the engine's progress
 OVERSUBSCRIBED_SPINS = 16  # the same where the node has more ranks than cores
 # Pauses of a wait that only spin before it yields the core: few where the node has more
@@ -1084,10 +1083,10 @@ def _spin(request: Any, spins: int) -> bool:
 
 
 class Backoff:
-    """Spin briefly, then yield, then sleep in short pauses.
+    """Spin briefly, then give the core back (`_core.idle.pause`), then sleep in short pauses.
 
-    Waiting ranks leave the CPU to others this way: with more ranks than cores, the peer a
-    rank waits for may need its core. Pauses stay short (at most 100 us), since what a rank
+    Waiting ranks leave the CPU to others this way: with more ranks than cores, or other
+    programs running, the peer a rank waits for may need its core. Pauses stay short (at most 100 us), since what a rank
     waits for usually arrives within microseconds once its peers run.
 
     Args:
@@ -1106,9 +1105,7 @@ class Backoff:
         if self.count < self.spins:
             return
         if self.count < 5000:
-            # Not time.sleep(0), which sleeps a timer slack (50 us or more): a yield costs
-            # a microsecond when nobody else wants the core.
-            _yield()
+            pause()
             return
         time.sleep(min(1e-4, 1e-6 * (self.count - 4990)))
 

@@ -1,31 +1,81 @@
-"""MPI's blocking calls give the core back: Open MPI's progress yields around each blocking call mpitensor makes."""
+"""Waits give the core back: yields while they are cheap, short sleeps once the core is contested.
+
+Open MPI's blocking calls pause through mpitensor's progress callback while armed; other
+MPIs' held calls are their nonblocking forms waited by mpitensor (`idle.blocking_waits`).
+"""
 
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
 
 import mpitensor as mt
 from mpitensor._core import idle
-from mpitensor._core.mpi import vendor
+from mpitensor._core.mpi import MPI, vendor
 
 
-def test_a_blocking_call_yields_while_it_waits_and_the_setting_comes_back():
+def test_two_late_yields_mark_the_core_contested_and_pauses_then_sleep(monkeypatch):
+    late = idle.SLOW_YIELD_NS / 1e9 * 1.5
+    monkeypatch.setattr(idle, "_contested", idle._Contested())
+    monkeypatch.setattr(idle, "_yield", lambda: None)
+    idle.pause()
+    assert idle._contested.until == 0, "a yield that came back at once marks nothing"
+    monkeypatch.setattr(idle, "_yield", lambda: time.sleep(late))
+    idle.pause()
+    assert idle._contested.until == 0, "one late yield alone happens on a quiet machine"
+    idle.pause()
+    assert idle._contested.until > time.monotonic_ns(), "a second one soon after marks the core contested"
+    yields = []
+    monkeypatch.setattr(idle, "_yield", lambda: yields.append(1))
+    idle.pause()
+    assert yields == [], "while contested, a pause sleeps instead of yielding"
+
+
+def test_a_late_yield_long_after_the_last_marks_nothing(monkeypatch):
+    monkeypatch.setattr(idle, "_contested", idle._Contested())
+    monkeypatch.setattr(idle, "_yield", lambda: time.sleep(idle.SLOW_YIELD_NS / 1e9 * 1.5))
+    idle.pause()
+    idle._contested.slow_at -= idle.AGAIN_NS
+    idle.pause()
+    assert idle._contested.until == 0
+
+
+def test_held_calls_wait_the_way_their_mpi_allows_and_give_right_results():
     with mt.DistributedContext.init() as ctx:
-        setter = idle.open_mpi_setter()
+        assert idle.blocking_waits() == (vendor()[0] == "Open MPI")
+        arm = idle.open_mpi_arm()
         if vendor()[0] != "Open MPI" or "OMPI_MCA_mpi_yield_when_idle" in os.environ:
-            assert setter is None
-            pytest.skip("not Open MPI (MPICH's progress yields by itself), or the program set Open MPI's choice")
-        assert setter is not None, "Open MPI exports its setter"
-        before = idle.open_mpi_yields()
-        seen = []
-        with idle.yielding():
-            seen.append(idle.open_mpi_yields())
-        assert seen == [True], "Open MPI's progress yields inside"
-        assert idle.open_mpi_yields() == before, "and the setting comes back after"
-        for _ in range(3):  # held calls: MPI's blocking all-reduce, the first in Python, the later ones compiled
+            assert arm is None, "nothing to arm: not Open MPI, or the program chose Open MPI's setting"
+        else:
+            assert arm is not None, "Open MPI exports what the arm needs"
+            assert arm(True) is False, "nothing is armed between calls"
+            assert arm(False) is True, "the arm says what it was"
+        for _ in range(3):  # held calls: the first in Python, the later ones compiled where built
             result = mt.all_reduce(np.ones(20_000), held=True).resolve().numpy()
             np.testing.assert_array_equal(result, np.full(20_000, float(ctx.size)))
-        assert idle.open_mpi_yields() == before
+            source, gathered = np.full(5_000, float(ctx.rank)), np.empty(5_000 * ctx.size)
+            mt.all_gather(source, out=gathered, held=True).resolve()
+            np.testing.assert_array_equal(gathered, np.repeat(np.arange(ctx.size, dtype=float), 5_000))
+        if arm is not None:
+            assert arm(False) is False, "every call disarmed after itself"
+
+
+def test_wait_completes_a_request():
+    with mt.DistributedContext.init() as ctx:
+        value = np.array([float(ctx.rank + 1)])
+        out = np.empty(1)
+        idle.wait(ctx.comm.Iallreduce(value, out, MPI.SUM))
+        assert out[0] == ctx.size * (ctx.size + 1) / 2
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_idle_call_runs_the_call_to_its_end(monkeypatch, blocking):
+    monkeypatch.setattr(idle, "blocking_waits", lambda: blocking)
+    with mt.DistributedContext.init() as ctx:
+        value = np.full(3, float(ctx.rank))
+        out = np.empty(3)
+        idle.idle_call(ctx.comm.Allreduce, ctx.comm.Iallreduce, value, out, MPI.SUM)
+        np.testing.assert_array_equal(out, np.full(3, float(sum(range(ctx.size)))))

@@ -51,7 +51,7 @@ import numpy as np
 from ..._core import state
 from ..._core.config import ReduceOperation, compiled_parts_off
 from ..._core.dtypes import OrderedKeys
-from ..._core.idle import setter_address
+from ..._core.idle import arm_address, blocking_waits
 from ..._core.interop import take_quickly
 from ..._core.limits import GATHERED_CHECK_RANKS
 from ..._core.mpi import MPI, launched_fault_tolerant, pointer_handles
@@ -182,7 +182,7 @@ def _bind() -> bool:
             header_bytes=HEADER_BYTES, payload_bytes=PAYLOAD_BYTES, row_bytes=ROW_BYTES,
             reap_after=REAP_AFTER, gathered_ranks=GATHERED_CHECK_RANKS,
             spin_pauses=SPIN_PAUSES, take_quickly=take_quickly, small_bytes=SMALL_BYTES,
-            convert=Convert, idle_yield=setter_address(),
+            convert=Convert, idle_arm=arm_address(), held_blocking=blocking_waits(),
         )
     except (RuntimeError, TypeError) as exc:
         _binding.why = f"cannot bind to this MPI: {exc}"

@@ -31,6 +31,14 @@ typedef int (*gather_ptr)(const void *, int, void *, void *, int, void *, int, v
 typedef int (*gather_int)(const void *, int, int, void *, int, int, int, int);
 typedef int (*reduce_ptr)(const void *, void *, int, void *, void *, int, void *);
 typedef int (*reduce_int)(const void *, void *, int, int, int, int, int);
+typedef int (*ibcast_ptr)(void *, int, void *, int, void *, void *);
+typedef int (*ibcast_int)(void *, int, int, int, int, void *);
+typedef int (*ialltoall_ptr)(const void *, int, void *, void *, int, void *, void *, void *);
+typedef int (*ialltoall_int)(const void *, int, int, void *, int, int, int, void *);
+typedef int (*igather_ptr)(const void *, int, void *, void *, int, void *, int, void *, void *);
+typedef int (*igather_int)(const void *, int, int, void *, int, int, int, int, void *);
+typedef int (*ireduce_ptr)(const void *, void *, int, void *, void *, int, void *, void *);
+typedef int (*ireduce_int)(const void *, void *, int, int, int, int, int, void *);
 typedef int (*comm_rank_ptr)(void *, int *);
 typedef int (*comm_rank_int)(int, int *);
 typedef int (*comm_size_ptr)(void *, int *);
@@ -49,6 +57,7 @@ typedef void *(*handle_get)(PyObject *);
 static struct {
     int pointer_handles;
     void *iallreduce, *iallgather, *allreduce, *allgather, *bcast, *alltoall, *gather, *reduce, *comm_rank, *comm_size;
+    void *ibcast, *ialltoall, *igather, *ireduce;
     void *op_create, *op_new;
     test_fn test;
     wait_fn wait;
@@ -76,8 +85,13 @@ static int find_in(void *library, const char *why_prefix, char *why, size_t why_
     mpi.comm_rank = dlsym(library, "MPI_Comm_rank");
     mpi.comm_size = dlsym(library, "MPI_Comm_size");
     mpi.op_create = dlsym(library, "MPI_Op_create");
+    mpi.ibcast = dlsym(library, "MPI_Ibcast");
+    mpi.ialltoall = dlsym(library, "MPI_Ialltoall");
+    mpi.igather = dlsym(library, "MPI_Igather");
+    mpi.ireduce = dlsym(library, "MPI_Ireduce");
     if (mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait && mpi.allreduce && mpi.allgather && mpi.bcast &&
-        mpi.alltoall && mpi.gather && mpi.reduce && mpi.comm_rank && mpi.comm_size && mpi.op_create)
+        mpi.alltoall && mpi.gather && mpi.reduce && mpi.comm_rank && mpi.comm_size && mpi.op_create &&
+        mpi.ibcast && mpi.ialltoall && mpi.igather && mpi.ireduce)
         return 1;
     snprintf(why, why_size, "%s", why_prefix);
     return 0;
@@ -108,8 +122,8 @@ static int find_functions(char *why, size_t why_size) {
     dl_iterate_phdr(find_library, &search);
     if (search.found != NULL && find_in(search.found, "", why, why_size)) return 0;
     snprintf(why, why_size, "no loaded library exports MPI_Iallreduce, MPI_Iallgather, MPI_Test, MPI_Wait, "
-                            "MPI_Allreduce, MPI_Allgather, MPI_Bcast, MPI_Alltoall, MPI_Gather, MPI_Reduce and "
-                            "MPI_Comm_rank");
+                            "MPI_Allreduce, MPI_Allgather, MPI_Bcast, MPI_Alltoall, MPI_Gather, MPI_Reduce, their "
+                            "nonblocking forms and MPI_Comm_rank");
     return -1;
 }
 
@@ -258,6 +272,36 @@ int mpi_reduce(const void *send, void *recv, int count, mpi_handle datatype, mpi
     return ((reduce_int)mpi.reduce)(send, recv, count, (int)datatype, (int)op, root, (int)comm);
 }
 
+int mpi_ibcast_bytes(void *buffer, int count, int root, mpi_handle comm, void *request) {
+    if (mpi.pointer_handles)
+        return ((ibcast_ptr)mpi.ibcast)(buffer, count, (void *)mpi.byte, root, (void *)comm, request);
+    return ((ibcast_int)mpi.ibcast)(buffer, count, (int)mpi.byte, root, (int)comm, request);
+}
+
+int mpi_ialltoall_bytes(const void *send, void *recv, int count, mpi_handle comm, void *request) {
+    if (mpi.pointer_handles)
+        return ((ialltoall_ptr)mpi.ialltoall)(send, count, (void *)mpi.byte, recv, count, (void *)mpi.byte,
+                                               (void *)comm, request);
+    return ((ialltoall_int)mpi.ialltoall)(send, count, (int)mpi.byte, recv, count, (int)mpi.byte, (int)comm,
+                                           request);
+}
+
+int mpi_igather_bytes(const void *send, void *recv, int count, int root, mpi_handle comm, void *request) {
+    if (mpi.pointer_handles)
+        return ((igather_ptr)mpi.igather)(send, count, (void *)mpi.byte, recv, count, (void *)mpi.byte, root,
+                                           (void *)comm, request);
+    return ((igather_int)mpi.igather)(send, count, (int)mpi.byte, recv, count, (int)mpi.byte, root, (int)comm,
+                                       request);
+}
+
+int mpi_ireduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, int root,
+                mpi_handle comm, void *request) {
+    if (mpi.pointer_handles)
+        return ((ireduce_ptr)mpi.ireduce)(send, recv, count, (void *)datatype, (void *)op, root, (void *)comm,
+                                           request);
+    return ((ireduce_int)mpi.ireduce)(send, recv, count, (int)datatype, (int)op, root, (int)comm, request);
+}
+
 int mpi_comm_rank(mpi_handle comm, int *rank) {
     if (mpi.pointer_handles) return ((comm_rank_ptr)mpi.comm_rank)((void *)comm, rank);
     return ((comm_rank_int)mpi.comm_rank)((int)comm, rank);
@@ -265,6 +309,7 @@ int mpi_comm_rank(mpi_handle comm, int *rank) {
 
 int mpi_iallreduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm,
                    void *request) {
+    if (send == NULL) send = mpi.in_place;
     if (mpi.pointer_handles)
         return ((iallreduce_ptr)mpi.iallreduce)(send, recv, count, (void *)datatype, (void *)op, (void *)comm, request);
     return ((iallreduce_int)mpi.iallreduce)(send, recv, count, (int)datatype, (int)op, (int)comm, request);

@@ -18,8 +18,7 @@
  */
 #include "native.h"
 
-#include <sched.h>
-#include <time.h>
+#include "idle.h"
 
 /* Tests before waiting in MPI_Wait (or handing over to the Python resolve): a few microseconds
  * where each rank has a core (a small message usually completes meanwhile, and MPI_Wait then
@@ -100,18 +99,18 @@ static int complete(PyObject *op) {
 /* Test the request until it completes or SLICE_NS pass; MPI's error code (call without the GIL).
  * Between tests the core is given back (`yield`: where ranks outnumber cores, at once; else once
  * the slice has spun SPIN_NS): a peer that is late needs a core, which on a busy machine (other
- * programs, oversubscribed test ranks) may be this one; on a quiet one a yield costs a system
- * call and returns at once. */
+ * programs, oversubscribed test ranks) may be this one; on a quiet one a pause is a yield, which
+ * costs a system call and returns at once (idle.h). */
+static IdleState idle_state;
+
 static int wait_slice(void *slot, int *flag, int yield) {
-    struct timespec start, now;
-    clock_gettime(CLOCK_MONOTONIC, &start);
+    long long start = idle_now();
     for (;;) {
         int code = mpi_test(slot, flag);
         if (code != 0 || *flag) return code;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        long long spent = (now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec);
+        long long spent = idle_now() - start;
         if (spent >= SLICE_NS) return 0;
-        if (yield || spent >= SPIN_NS) sched_yield();
+        if (yield || spent >= SPIN_NS) idle_pause(&idle_state);
     }
 }
 

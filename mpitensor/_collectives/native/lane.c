@@ -40,9 +40,9 @@
 
 #include <limits.h>
 #include <pythread.h>
-#include <sched.h>
 #include <string.h>
-#include <time.h>
+
+#include "idle.h"
 
 enum { LANE_COPY = 0, LANE_CHECK = 1, LANE_HELD = 2 };
 enum { RECORD_CODE = 4, RECORD_PAYLOAD = 5 }; /* the words of a large group's check record */
@@ -237,27 +237,26 @@ static int increment(PyObject **field, PyObject **old) {
     return 0;
 }
 
-/* Where ranks outnumber cores, the peers a check waits for need this core: yield it between
- * tests, for at most YIELD_NS, as the Python engine's wait for a check does (`Backoff`); only
- * a check still in flight after that goes to the Python engine. The GIL is released while
- * yielding; the engine's lock stays held, which only keeps other threads' resolve() and
+/* Where ranks outnumber cores, the peers a check waits for need this core: give it back between
+ * tests (idle.h: a yield, or a short sleep where the core is contested), for at most YIELD_NS,
+ * as the Python engine's wait for a check does (`Backoff`); only a check still in flight after
+ * that goes to the Python engine. The GIL is released while pausing; the engine's lock stays held, which only keeps other threads' resolve() and
  * test() out for that long (nothing else may post meanwhile: only this thread calls
  * collectives). */
 #define SPINS_WITH_A_CORE 64
 #define YIELD_NS 2000000
 
+static IdleState idle_state;
+
 static int yield_until_done(void *slot, int *flag) {
-    struct timespec start, now;
-    clock_gettime(CLOCK_MONOTONIC, &start);
+    long long start = idle_now();
     int code = 0;
     do {
         Py_BEGIN_ALLOW_THREADS
-        sched_yield();
+        idle_pause(&idle_state);
         Py_END_ALLOW_THREADS
         code = mpi_test(slot, flag);
-        clock_gettime(CLOCK_MONOTONIC, &now);
-    } while (code == 0 && !*flag &&
-             (now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) < YIELD_NS);
+    } while (code == 0 && !*flag && idle_now() - start < YIELD_NS);
     return code;
 }
 
@@ -505,29 +504,66 @@ static int post_data(Lane *lane, Call *call, PyObject *posted) {
     return PyList_Append(posted, call->op) < 0 ? -1 : 1;
 }
 
-/* The HELD call's blocking MPI call from `source` (NULL: in place) into `out`; call without
- * the GIL. Buffers never overlap where there are two (start_held declines those). */
-static int held_mpi(Lane *lane, const void *source, void *out) {
-    int at_root = lane->me == lane->root, code;
+/* The HELD call's MPI call from `source` (NULL: in place) into `out`: blocking where `request` is
+ * NULL, else nonblocking into `request`. Buffers never overlap where there are two (start_held
+ * declines those). */
+static int held_post(Lane *lane, const void *source, void *out, void *request) {
+    int at_root = lane->me == lane->root, bytes = (int)lane->nbytes, count = (int)lane->count;
+    void *root_out = at_root ? out : NULL;
     switch (lane->collective) {
     case OF_ALL_GATHER:
-        return mpi_allgather_bytes(source, out, (int)lane->nbytes, lane->comm);
+        return request ? mpi_iallgather_bytes(source, out, bytes, lane->comm, request)
+                       : mpi_allgather_bytes(source, out, bytes, lane->comm);
     case OF_ALL_TO_ALL:
-        return mpi_alltoall_bytes(source, out, (int)(lane->nbytes / lane->size), lane->comm);
+        bytes = (int)(lane->nbytes / lane->size);
+        return request ? mpi_ialltoall_bytes(source, out, bytes, lane->comm, request)
+                       : mpi_alltoall_bytes(source, out, bytes, lane->comm);
     case OF_BROADCAST:
-        if (at_root) memcpy(out, source, (size_t)lane->nbytes);
-        return mpi_bcast_bytes(out, (int)lane->nbytes, lane->root, lane->comm);
+        return request ? mpi_ibcast_bytes(out, bytes, lane->root, lane->comm, request)
+                       : mpi_bcast_bytes(out, bytes, lane->root, lane->comm);
     case OF_GATHER:
-        code = mpi_gather_bytes(source, at_root ? out : NULL, (int)lane->nbytes, lane->root, lane->comm);
-        break;
+        return request ? mpi_igather_bytes(source, root_out, bytes, lane->root, lane->comm, request)
+                       : mpi_gather_bytes(source, root_out, bytes, lane->root, lane->comm);
     case OF_REDUCE:
-        code = mpi_reduce(source, at_root ? out : NULL, (int)lane->count, lane->datatype, lane->mpi_op, lane->root,
-                          lane->comm);
-        break;
+        return request ? mpi_ireduce(source, root_out, count, lane->datatype, lane->mpi_op, lane->root, lane->comm,
+                                     request)
+                       : mpi_reduce(source, root_out, count, lane->datatype, lane->mpi_op, lane->root, lane->comm);
     default:
-        return mpi_allreduce(source, out, (int)lane->count, lane->datatype, lane->mpi_op, lane->comm);
+        return request ? mpi_iallreduce(source, out, count, lane->datatype, lane->mpi_op, lane->comm, request)
+                       : mpi_allreduce(source, out, count, lane->datatype, lane->mpi_op, lane->comm);
     }
-    if (code == 0 && !at_root) memcpy(out, source, (size_t)lane->nbytes);
+}
+
+/* Test `request` until it completes, pausing between tests once IDLE_SPIN_NS passed (idle.h). */
+static int wait_idle(void *request) {
+    long long start = idle_now();
+    int flag = 0;
+    for (;;) {
+        int code = mpi_test(request, &flag);
+        if (code != 0 || flag) return code;
+        if (idle_now() - start >= IDLE_SPIN_NS) idle_pause(&idle_state);
+    }
+}
+
+/* The HELD call's data from `source` (NULL: in place) into `out`; call without the GIL. MPI's
+ * blocking call where its wait can be made to pause (`consts.arm_idle` around it: Open MPI),
+ * else its nonblocking call waited by `wait_idle`: a rank that waits for a peer gives its core
+ * back either way (see _core/idle.py). Every rank of a job takes the same one. */
+static int held_mpi(Lane *lane, const void *source, void *out) {
+    int at_root = lane->me == lane->root, code;
+    if (lane->collective == OF_BROADCAST && at_root) memcpy(out, source, (size_t)lane->nbytes);
+    if (consts.held_blocking) {
+        _Bool armed = consts.arm_idle != NULL ? consts.arm_idle(1) : 0;
+        code = held_post(lane, source, out, NULL);
+        if (consts.arm_idle != NULL) consts.arm_idle(armed);
+    } else {
+        intptr_t request = 0; /* an MPI_Request: an int or a pointer */
+        code = held_post(lane, source, out, &request);
+        if (code == 0) code = wait_idle(&request);
+    }
+    /* Off the root, a gather's and a reduce's result is the input (_collectives/held.py). */
+    if (code == 0 && !at_root && (lane->collective == OF_GATHER || lane->collective == OF_REDUCE))
+        memcpy(out, source, (size_t)lane->nbytes);
     return code;
 }
 
@@ -540,10 +576,7 @@ static int held_reduce(Lane *lane, Call *call) {
     const void *source = lane->into ? PyArray_DATA((PyArrayObject *)call->source) : NULL;
     int code;
     Py_BEGIN_ALLOW_THREADS
-    /* The blocking call gives the core back while it waits for a peer (see _core/idle.py). */
-    _Bool yielded = consts.set_yield != NULL ? consts.set_yield(1) : 0;
     code = held_mpi(lane, source, out);
-    if (consts.set_yield != NULL) consts.set_yield(yielded);
     Py_END_ALLOW_THREADS
     if (code != 0) {
         mpi_failed(lane->engine, code, call->op, lane->name);

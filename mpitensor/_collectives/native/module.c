@@ -57,13 +57,13 @@ static const char *bind_keywords[] = {
     "mpi", "pointer_handles", "op_class", "tensor_class", "handle_class",
     "open_contexts", "states", "later", "settle", "base_resolve", "agree_stage", "header_bytes", "payload_bytes",
     "row_bytes", "reap_after", "gathered_ranks", "spin_pauses", "take_quickly", "small_bytes", "convert",
-    "idle_yield", NULL};
+    "idle_arm", "held_blocking", NULL};
 
 PyDoc_STRVAR(bind_doc,
 "bind(*, mpi, pointer_handles, op_class, tensor_class, handle_class,\n"
 "     open_contexts, states, later, settle, base_resolve, agree_stage, header_bytes, payload_bytes,\n"
 "     row_bytes, reap_after, gathered_ranks, spin_pauses, take_quickly, small_bytes, convert,\n"
-"     idle_yield=0)\n--\n\n"
+"     idle_arm=0, held_blocking=1)\n--\n\n"
 "Bind the module to the running MPI and to the Python classes it works with (once).\n\n"
 "mpi: the mpi4py.MPI module; pointer_handles: whether MPI's handles are pointers. op_class,\n"
 "tensor_class, handle_class: the engine's Op, Tensor and the lane handle class, derived from the\n"
@@ -76,9 +76,11 @@ PyDoc_STRVAR(bind_doc,
 "rows (a checked lane's group has 2 to gathered_ranks ranks), and the engine's spin_pauses where\n"
 "each rank has a core (fewer: more ranks than cores). take_quickly(value, small_bytes): a\n"
 "number's or CPU torch tensor's array and converter back, which `convert(value, back)` hangs\n"
-"on its handle. idle_yield: the address of Open MPI's opal_progress_set_yield_when_idle, which\n"
-"the held calls switch on around their blocking MPI call so that it gives the core back while it\n"
-"waits (0: none). `resolve_for(handle_class)` then gives the compiled resolve().\n\n"
+"on its handle. idle_arm: the address of the switch the held calls set around their blocking\n"
+"MPI call so that it gives the core back while it waits (`_core.idle.arm_address`; 0: none).\n"
+"held_blocking: whether held calls move their data in MPI's blocking calls (else nonblocking\n"
+"ones, waited in C; `_core.idle.blocking_waits`). `resolve_for(handle_class)` then gives the\n"
+"compiled resolve().\n\n"
 "Raises:\n"
 "    RuntimeError: MPI's functions or mpi4py's C API could not be found (the message says which).\n"
 "    TypeError: a class lacks a slot the module reads.");
@@ -88,15 +90,16 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     PyObject *mpi4py, *op_class, *tensor_class, *handle_class, *contexts, *states;
     PyObject *later, *settle, *base_resolve, *take_quickly, *small_bytes, *convert;
     int pointer_handles;
-    unsigned long long idle_yield = 0;
+    unsigned long long idle_arm = 0;
+    int held_blocking = 1;
     if (consts.bound) Py_RETURN_NONE;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOO!O!OOOiiiiiiiOO!OK", (char **)bind_keywords, &mpi4py,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOO!O!OOOiiiiiiiOO!OKp", (char **)bind_keywords, &mpi4py,
                                      &pointer_handles, &op_class, &tensor_class, &handle_class,
                                      &PyList_Type, &contexts, &PyTuple_Type, &states, &later, &settle,
                                      &base_resolve, &consts.agree_stage, &consts.header_bytes,
                                      &consts.payload_bytes, &consts.row_bytes, &consts.reap_after, &consts.gathered_ranks,
                                      &consts.spin_pauses, &take_quickly, &PyLong_Type, &small_bytes, &convert,
-                                     &idle_yield))
+                                     &idle_arm, &held_blocking))
         return NULL;
     if (PyTuple_GET_SIZE(states) != 5 || !PyType_Check(later) || !PyCallable_Check(settle) ||
         !PyCallable_Check(base_resolve) ||
@@ -123,7 +126,8 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     consts.take_quickly = Py_NewRef(take_quickly);
     consts.small_bytes = Py_NewRef(small_bytes);
     consts.convert_type = Py_NewRef(convert);
-    consts.set_yield = (yield_setter)(uintptr_t)idle_yield;
+    consts.arm_idle = (idle_switch)(uintptr_t)idle_arm;
+    consts.held_blocking = held_blocking;
     consts.bound = 1;
     Py_RETURN_NONE;
 }

@@ -51,8 +51,15 @@ int mpi_bcast_bytes(void *buffer, int count, int root, mpi_handle comm);
 int mpi_alltoall_bytes(const void *send, void *recv, int count, mpi_handle comm);
 int mpi_gather_bytes(const void *send, void *recv, int count, int root, mpi_handle comm);
 int mpi_reduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, int root, mpi_handle comm);
+/* Their nonblocking forms, for MPIs whose blocking calls cannot be made to pause (`held_mpi`). */
+int mpi_ibcast_bytes(void *buffer, int count, int root, mpi_handle comm, void *request);
+int mpi_ialltoall_bytes(const void *send, void *recv, int count, mpi_handle comm, void *request);
+int mpi_igather_bytes(const void *send, void *recv, int count, int root, mpi_handle comm, void *request);
+int mpi_ireduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, int root,
+                mpi_handle comm, void *request);
 int mpi_comm_rank(mpi_handle comm, int *rank);
-/* Nonblocking all-reduce of `count` elements from `send` into `recv` (a large group's check). */
+/* Nonblocking all-reduce of `count` elements from `send` (NULL: MPI_IN_PLACE) into `recv` (a
+ * large group's check; a held call's data where MPI's blocking calls cannot be made to pause). */
 int mpi_iallreduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, mpi_handle comm,
                    void *request);
 /* A new commutative MPI op of user function `function`, as an mpi4py Op; NULL with an error set. */
@@ -116,7 +123,7 @@ static inline void trace_mark(PyObject *op, int field) {
 }
 
 /* ---- constants the Python side gives at bind time (module.c) --------------------------- */
-typedef _Bool (*yield_setter)(_Bool);
+typedef _Bool (*idle_switch)(_Bool);
 typedef struct {
     PyObject *open_contexts;        /* _core.state.open_contexts, the stack of contexts */
     PyObject *states[5];            /* the engine's op states as ints: CHECKING .. FAILED */
@@ -134,7 +141,8 @@ typedef struct {
     int gathered_ranks;             /* the largest group whose checks gather rows */
     int check_words;                /* the int64 words of a large group's check record (check.c) */
     int spin_pauses;                /* Engine.spin_pauses where each rank has a core */
-    yield_setter set_yield;         /* Open MPI's opal_progress_set_yield_when_idle, or NULL (_core/idle.py) */
+    idle_switch arm_idle;           /* set around a blocking call (_core/idle.py open_mpi_arm), or NULL */
+    int held_blocking;              /* held calls move their data in MPI's blocking calls (idle.blocking_waits) */
     int bound;
 } Constants;
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._core.idle import yielding
+from ..._core.idle import idle_call
 from ..._core.limits import SMALL_BYTES
 from ..._core.mpi import MPI
 from ..base import ReduceCall
@@ -169,7 +169,9 @@ class Held(HeldUnchecked):
     1-16 MiB on 2 ranks of one node Open MPI's blocking in-place all-reduce took 0.32-0.54x
     the time of its nonblocking one, MPICH's and Intel MPI's the same time, and each MPI's
     took 0.27-0.88x the time of mpitensor's shared memory with a copy back into the caller's
-    array (`scripts/held_all_reduce.py`). Unchecked calls (whose peers may not have
+    array (`scripts/held_all_reduce.py`). Where the blocking call's wait cannot be made to give
+    the core back (MPICH, Intel MPI), the nonblocking one is waited to its end instead
+    (`_core.idle.idle_call`). Unchecked calls (whose peers may not have
     arrived) are left to `HeldUnchecked`.
     """
 
@@ -185,7 +187,7 @@ class Held(HeldUnchecked):
 
 
 def held_all_reduce(comm: Any, send: np.ndarray, out: np.ndarray, plan: Any) -> list[Any]:
-    """Blocking ``MPI_Allreduce`` from `send` into `out` (``MPI_IN_PLACE`` where they are one array).
+    """``MPI_Allreduce`` from `send` into `out` (``MPI_IN_PLACE`` where they are one array), to its end.
 
     What `Held` posts, and the compiled held lane's ops queued for the engine.
 
@@ -193,8 +195,8 @@ def held_all_reduce(comm: Any, send: np.ndarray, out: np.ndarray, plan: Any) -> 
         No request: the reduction is done.
     """
     datatype = plan.datatype
-    with yielding():
-        comm.Allreduce(MPI.IN_PLACE if send is out else [send, datatype], [out, datatype], plan.mpi_op)
+    idle_call(comm.Allreduce, comm.Iallreduce, MPI.IN_PLACE if send is out else [send, datatype], [out, datatype],
+              plan.mpi_op)
     return []
 
 

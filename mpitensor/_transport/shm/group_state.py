@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._core.idle import pause
 from ..base import Channel, Stepper
 from .arena import Arena, Block, Lease, map_peer
 from .protocol import C_ARRIVE, C_COPIED, C_DONE, C_READY, CONTROL_BYTES, CTL_ID, INFO_LEN
@@ -41,7 +42,7 @@ class FlagWait:
         if all(control[field] >= seq for control in self.controls):
             return True
         if self.yield_cpu:
-            os.sched_yield()
+            pause()
         return False
 
 

@@ -1,0 +1,62 @@
+/* Waiting for a peer without keeping a core from it (see mpitensor/_core/idle.py).
+ *
+ * A rank that waits for a peer gives its core back between tests of what it waits for. A
+ * yield costs a system call where the core is free, and keeps the rank's latency; but where
+ * another program wants the core (a laptop running other work, a shared node, oversubscribed
+ * test ranks), Linux's scheduler takes a yield as the end of the rank's slice: the rank then
+ * waits the other program's whole slice (milliseconds), while a rank that sleeps is woken ahead
+ * of it. So two yields that come back late, one soon after the other, mark the core contested,
+ * and for a while after that waits sleep briefly instead of yielding (one late yield alone
+ * happens on a quiet machine too, where a thread of the program's own or the system's ran).
+ * Each compiled module that waits keeps its own `IdleState`; the Python engine's `Backoff`
+ * follows the same rule (`_core.idle.pause`). */
+#ifndef MPITENSOR_IDLE_H
+#define MPITENSOR_IDLE_H
+
+#include <sched.h>
+#include <sys/prctl.h>
+#include <time.h>
+
+/* A wait spins this long before it pauses (a quiet machine's calls mostly end by then). */
+#define IDLE_SPIN_NS 50000LL
+/* A yield that took longer than this gave the core away for a slice (a quiet machine's take
+ * microseconds, one given to a busy core's other program milliseconds). */
+#define IDLE_SLOW_YIELD_NS 250000LL
+/* A second one within this long after the first marks the core contested. */
+#define IDLE_AGAIN_NS 100000000LL
+/* For this long after, pauses sleep instead of yielding (then one yield looks again). */
+#define IDLE_CONTESTED_NS 1000000000LL
+/* The sleep of a pause on a contested core. */
+#define IDLE_SLEEP_NS 20000L
+
+typedef struct {
+    long long contested_until; /* CLOCK_MONOTONIC ns; 0: the core was never contested */
+    long long slow_at;         /* when the last yield that came back late ended */
+} IdleState;
+
+static inline long long idle_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return now.tv_sec * 1000000000LL + now.tv_nsec;
+}
+
+/* One pause of a wait for a peer: a yield, or a short sleep while the core is contested. */
+static inline void idle_pause(IdleState *state) {
+    long long start = idle_now();
+    if (start < __atomic_load_n(&state->contested_until, __ATOMIC_RELAXED)) {
+        struct timespec pause = {0, IDLE_SLEEP_NS};
+        /* The thread's timer slack (50 us by default) would add to each pause: 1 us while it sleeps. */
+        prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+        nanosleep(&pause, NULL);
+        prctl(PR_SET_TIMERSLACK, 0UL, 0, 0, 0); /* 0: the thread's default again */
+        return;
+    }
+    sched_yield();
+    long long end = idle_now();
+    if (end - start <= IDLE_SLOW_YIELD_NS) return;
+    long long before = __atomic_exchange_n(&state->slow_at, end, __ATOMIC_RELAXED);
+    if (end - before < IDLE_AGAIN_NS)
+        __atomic_store_n(&state->contested_until, end + IDLE_CONTESTED_NS, __ATOMIC_RELAXED);
+}
+
+#endif
