@@ -36,14 +36,23 @@ __all__ = ["format_torch_busy", "run_torch_busy"]
 
 ALL_REDUCE_ELEMENTS = 332 * 1024 // 4  # 332 KiB of float32
 WIDTHS = (784, 104, 32, 10)  # 85,330 parameters: one bucket of 333 KiB
-# The hog: a Python loop that never sleeps (no imports, so it starts in milliseconds).
-_HOG = "while True:\n    pass\n"
+# The hog: a Python loop that never sleeps, on the core its argument names where it may
+# (not the rank's cores: a bound rank's hogs would share its one core). Only `os` is
+# imported, so it starts in milliseconds.
+_HOG = ("import os, sys\n"
+        "try:\n    os.sched_setaffinity(0, {int(sys.argv[1]) % os.cpu_count()})\n"
+        "except OSError:\n    pass\n"
+        "while True:\n    pass\n")
 
 
 @contextmanager
 def cpu_hogs(count: int) -> Iterator[int]:
-    """Run `count` spinning processes until the block ends; yields how many run."""
-    hogs = [subprocess.Popen([sys.executable, "-c", _HOG], stdin=subprocess.DEVNULL) for _ in range(count)]
+    """Run `count` spinning processes until the block ends, hog k on core k of the node; yields how many.
+
+    Pinned, every core has its hog, as on a machine whose cores are all busy; the scheduler left
+    alone sometimes put two hogs on one core, and the ranks on the other.
+    """
+    hogs = [subprocess.Popen([sys.executable, "-c", _HOG, str(k)], stdin=subprocess.DEVNULL) for k in range(count)]
     try:
         yield len(hogs)
     finally:
