@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 from .._core import errors as _errors
+from .._core import idle
 from .._core import mpi as _mpi
 from .._core import state as _state
 from .._core.config import DistributedConfig
@@ -238,6 +239,7 @@ class DistributedContext(ContextRecord):
         spare = self._spare_cores() if self._size > 1 else 0
         # More ranks than cores here: a waiting rank must soon yield the core its peer needs.
         self.engine.spin_pauses = OVERSUBSCRIBED_SPIN_PAUSES if spare < 0 else SPIN_PAUSES
+        idle.set_oversubscribed(spare < 0)
         if self._size > 1 and _progress_wanted(config, thread_level, spare, self._device.kind):
             self.engine.progress_thread = ProgressThread(self.engine)
         _state.push(self)

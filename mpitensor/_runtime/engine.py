@@ -1083,11 +1083,13 @@ def _spin(request: Any, spins: int) -> bool:
 
 
 class Backoff:
-    """Spin briefly, then give the core back (`_core.idle.pause`), then sleep in short pauses.
+    """Spin briefly, then give the core back, then sleep in short pauses.
 
     Waiting ranks leave the CPU to others this way: with more ranks than cores, or other
-    programs running, the peer a rank waits for may need its core. Pauses stay short (at most 100 us), since what a rank
-    waits for usually arrives within microseconds once its peers run.
+    programs running, the peer a rank waits for may need its core (`_core.idle.pause`: a
+    yield, or a short sleep where another program contends for the core). Pauses stay short
+    (at most 100 us), since what a rank waits for usually arrives within microseconds once its
+    peers run.
 
     Args:
         spins: pauses that only spin before the first yield (`SPIN_PAUSES`, or

@@ -43,6 +43,30 @@ def test_a_late_yield_long_after_the_last_marks_nothing(monkeypatch):
     assert idle._contested.until == 0
 
 
+def test_where_ranks_outnumber_cores_pauses_only_yield(monkeypatch):
+    monkeypatch.setattr(idle, "_contested", idle._Contested())
+    idle._contested.until = time.monotonic_ns() + idle.CONTESTED_NS  # contested: pauses would sleep
+    yields = []
+    monkeypatch.setattr(idle, "_yield", lambda: yields.append(1))
+    idle._contested.oversubscribed = True
+    idle.pause()
+    assert yields == [1], "a peer of the job takes the core and gives it back: a yield, never a sleep"
+    idle._contested.oversubscribed = False
+    idle.pause()
+    assert yields == [1]
+
+
+def test_a_context_says_whether_ranks_outnumber_cores():
+    with mt.DistributedContext.init() as ctx:
+        node = ctx.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            cores = set().union(*node.allgather(sorted(os.sched_getaffinity(0))))
+            expected = ctx.size > 1 and node.Get_size() > len(cores)
+        finally:
+            node.Free()
+        assert idle._contested.oversubscribed == expected
+
+
 def test_held_calls_wait_the_way_their_mpi_allows_and_give_right_results():
     with mt.DistributedContext.init() as ctx:
         assert idle.blocking_waits() == (vendor()[0] == "Open MPI")

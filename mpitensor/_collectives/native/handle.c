@@ -98,9 +98,9 @@ static int complete(PyObject *op) {
 
 /* Test the request until it completes or SLICE_NS pass; MPI's error code (call without the GIL).
  * Between tests the core is given back (`yield`: where ranks outnumber cores, at once; else once
- * the slice has spun SPIN_NS): a peer that is late needs a core, which on a busy machine (other
- * programs, oversubscribed test ranks) may be this one; on a quiet one a pause is a yield, which
- * costs a system call and returns at once (idle.h). */
+ * the slice has spun SPIN_NS, as idle.h says): a peer that is late needs a core, which on a busy
+ * machine (other programs, oversubscribed test ranks) may be this one; on a quiet one a yield
+ * costs a system call and returns at once. */
 static IdleState idle_state;
 
 static int wait_slice(void *slot, int *flag, int yield) {
@@ -110,7 +110,11 @@ static int wait_slice(void *slot, int *flag, int yield) {
         if (code != 0 || *flag) return code;
         long long spent = idle_now() - start;
         if (spent >= SLICE_NS) return 0;
-        if (yield || spent >= SPIN_NS) idle_pause(&idle_state);
+        /* Where ranks outnumber cores the core goes to a peer of this job, which yields it back
+         * as soon as it waits in turn: a plain yield, never a sleep, which could leave the core
+         * idle while a peer could run. */
+        if (yield) sched_yield();
+        else if (spent >= SPIN_NS) idle_pause(&idle_state);
     }
 }
 

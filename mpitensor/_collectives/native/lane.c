@@ -248,12 +248,14 @@ static int increment(PyObject **field, PyObject **old) {
 
 static IdleState idle_state;
 
-static int yield_until_done(void *slot, int *flag) {
+static int yield_until_done(void *slot, int *flag, int oversubscribed) {
     long long start = idle_now();
     int code = 0;
     do {
         Py_BEGIN_ALLOW_THREADS
-        idle_pause(&idle_state);
+        /* Where ranks outnumber cores a yield gives the core to a peer of this job (handle.c). */
+        if (oversubscribed) sched_yield();
+        else idle_pause(&idle_state);
         Py_END_ALLOW_THREADS
         code = mpi_test(slot, flag);
     } while (code == 0 && !*flag && idle_now() - start < YIELD_NS);
@@ -302,7 +304,7 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
     int flag = 0;
     for (int spin = 0; spin < lane->spins && !flag; spin++)
         if (mpi_test(slot, &flag) != 0) return 0; /* the Python engine tests it again and reports */
-    if (!flag && (lane->spins < SPINS_WITH_A_CORE || waiting_at_call) && yield_until_done(slot, &flag) != 0)
+    if (!flag && (lane->spins < SPINS_WITH_A_CORE || waiting_at_call) && yield_until_done(slot, &flag, lane->spins < SPINS_WITH_A_CORE) != 0)
         return 0;
     if (!flag) return 0;
     if (!lane->gathers) /* every member said what this rank says, and carried what it carries */
@@ -534,8 +536,12 @@ static int held_post(Lane *lane, const void *source, void *out, void *request) {
     }
 }
 
-/* Test `request` until it completes, pausing between tests once IDLE_SPIN_NS passed (idle.h). */
-static int wait_idle(void *request) {
+/* Test `request` until it completes, pausing between tests once IDLE_SPIN_NS passed (idle.h).
+ * Where ranks outnumber cores, MPI's own wait: its loop polls many times between yields, as its
+ * blocking calls do, where a yield after each test made a held all-reduce of 16 ranks on 2 cores
+ * slower. */
+static int wait_idle(void *request, int oversubscribed) {
+    if (oversubscribed) return mpi_wait(request);
     long long start = idle_now();
     int flag = 0;
     for (;;) {
@@ -559,7 +565,7 @@ static int held_mpi(Lane *lane, const void *source, void *out) {
     } else {
         intptr_t request = 0; /* an MPI_Request: an int or a pointer */
         code = held_post(lane, source, out, &request);
-        if (code == 0) code = wait_idle(&request);
+        if (code == 0) code = wait_idle(&request, lane->spins < SPINS_WITH_A_CORE);
     }
     /* Off the root, a gather's and a reduce's result is the input (_collectives/held.py). */
     if (code == 0 && !at_root && (lane->collective == OF_GATHER || lane->collective == OF_REDUCE))

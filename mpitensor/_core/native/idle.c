@@ -18,12 +18,16 @@
 #define ARMED_SPIN_NS (4 * IDLE_SPIN_NS)
 
 static long long armed_at; /* when the waiting blocking call began; 0: none waits */
+static int oversubscribed; /* the node runs more of the job's ranks than it has cores */
 static IdleState state;
 
 /* Open MPI's progress callback: pause where an armed blocking call has spun; no events. */
 static int progress(void) {
     long long at = __atomic_load_n(&armed_at, __ATOMIC_RELAXED);
-    if (at != 0 && idle_now() - at >= ARMED_SPIN_NS) idle_pause(&state);
+    if (at == 0 || idle_now() - at < ARMED_SPIN_NS) return 0;
+    /* Where ranks outnumber cores a yield gives the core to a peer of this job (_core/idle.py). */
+    if (__atomic_load_n(&oversubscribed, __ATOMIC_RELAXED)) sched_yield();
+    else idle_pause(&state);
     return 0;
 }
 
@@ -39,7 +43,18 @@ static PyObject *addresses(PyObject *self, PyObject *unused) {
                          PyLong_FromVoidPtr((void *)(uintptr_t)arm));
 }
 
+static PyObject *set_oversubscribed(PyObject *self, PyObject *flag) {
+    int value = PyObject_IsTrue(flag);
+    if (value < 0) return NULL;
+    __atomic_store_n(&oversubscribed, value, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"set_oversubscribed", set_oversubscribed, METH_O,
+     "set_oversubscribed(flag)\n--\n\n"
+     "Whether the node runs more of the job's ranks than it has cores: then an armed call's\n"
+     "pauses only yield."},
     {"addresses", addresses, METH_NOARGS,
      "addresses()\n--\n\n"
      "The addresses of ``int progress(void)``, for ``opal_progress_register``, and of\n"
