@@ -2,19 +2,21 @@
  *
  * Open MPI's progress loop calls the functions registered with `opal_progress_register` on
  * each round, also inside its blocking calls. `progress` is one: while one of mpitensor's
- * blocking calls is waiting (`arm`), once it has spun ARMED_SPIN_NS it pauses each round as
- * idle.h says, so a blocking MPI_Allreduce gives its core to a program that wants it without
- * costing a quiet machine anything; at other times it returns at once. */
+ * blocking calls is waiting (`arm`), once it has spun ARMED_SPIN_NS (at once where the core
+ * is contested) it pauses each round as idle.h says, so a blocking MPI_Allreduce gives its core
+ * to a program that wants it without costing a quiet machine anything; at other times it
+ * returns at once. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdbool.h>
 
 #include "idle.h"
 
-/* An armed blocking call spins this long before it pauses: longer than other waits, since each
- * of Open MPI's progress rounds pauses once the core is contested, also where data arrived (a
- * callback cannot see the round's events); a 332 KiB all-reduce beside a CPU hog per core took
- * 0.3 ms spinning 200 us first, 0.8-1.3 ms spinning 50 us. */
+/* An armed blocking call spins this long before it pauses where the core is free: longer than
+ * other waits, as a quiet machine's larger calls mostly end within it. Where the core is
+ * contested it pauses at once: a peer that shares the core could not run while it spun (a 332
+ * KiB all-reduce beside a CPU hog per core took 1.0-1.6 ms in half the jobs spinning first,
+ * 0.7-0.85 ms in every job pausing at once). */
 #define ARMED_SPIN_NS (4 * IDLE_SPIN_NS)
 
 static long long armed_at; /* when the waiting blocking call began; 0: none waits */
@@ -24,7 +26,7 @@ static IdleState state;
 /* Open MPI's progress callback: pause where an armed blocking call has spun; no events. */
 static int progress(void) {
     long long at = __atomic_load_n(&armed_at, __ATOMIC_RELAXED);
-    if (at == 0 || idle_now() - at < ARMED_SPIN_NS) return 0;
+    if (at == 0 || (idle_now() - at < ARMED_SPIN_NS && !idle_contested(&state))) return 0;
     /* Where ranks outnumber cores a yield gives the core to a peer of this job (_core/idle.py). */
     if (__atomic_load_n(&oversubscribed, __ATOMIC_RELAXED)) sched_yield();
     else idle_pause(&state);

@@ -40,6 +40,12 @@ static inline long long idle_now(void) {
     return now.tv_sec * 1000000000LL + now.tv_nsec;
 }
 
+/* Whether the core is contested now: pauses sleep, and waits need not spin first (a peer that
+ * shares the core could not run meanwhile). */
+static inline int idle_contested(IdleState *state) {
+    return idle_now() < __atomic_load_n(&state->contested_until, __ATOMIC_RELAXED);
+}
+
 /* One pause of a wait for a peer: a yield, or a short sleep while the core is contested. */
 static inline void idle_pause(IdleState *state) {
     long long start = idle_now();
