@@ -35,11 +35,12 @@ __all__ = [
 ]
 
 # As native/idle.h: a wait spins this long before it pauses; a yield slower than SLOW_YIELD_NS
-# gave the core away, a second within AGAIN_NS marks it contested, and pauses then sleep
-# SLEEP_SECONDS for CONTESTED_NS.
+# gave the core away, LATE_YIELDS of them each within AGAIN_NS of the one before mark it
+# contested, and pauses then sleep SLEEP_SECONDS for CONTESTED_NS.
 SPIN_NS = 50_000
 SLOW_YIELD_NS = 250_000
 AGAIN_NS = 100_000_000
+LATE_YIELDS = 3
 CONTESTED_NS = 1_000_000_000
 SLEEP_SECONDS = 20e-6
 
@@ -50,11 +51,12 @@ _now = time.monotonic_ns
 class _Contested:
     """When this process's pauses sleep until, when its last late yield ended, whether ranks outnumber cores."""
 
-    __slots__ = ("oversubscribed", "slow_at", "until")
+    __slots__ = ("late", "oversubscribed", "slow_at", "until")
 
     def __init__(self) -> None:
         self.until = 0
         self.slow_at = 0
+        self.late = 0
         self.oversubscribed = False
 
 
@@ -91,9 +93,10 @@ def pause() -> None:
     _yield()
     end = _now()
     if end - start > SLOW_YIELD_NS:
-        if end - _contested.slow_at < AGAIN_NS:
-            _contested.until = end + CONTESTED_NS
+        _contested.late = _contested.late + 1 if end - _contested.slow_at < AGAIN_NS else 1
         _contested.slow_at = end
+        if _contested.late >= LATE_YIELDS:
+            _contested.until = end + CONTESTED_NS
 
 _SETTER = "opal_progress_set_yield_when_idle"
 _REGISTER = "opal_progress_register"

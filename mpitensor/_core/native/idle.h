@@ -5,9 +5,10 @@
  * another program wants the core (a laptop running other work, a shared node, oversubscribed
  * test ranks), Linux's scheduler takes a yield as the end of the rank's slice: the rank then
  * waits the other program's whole slice (milliseconds), while a rank that sleeps is woken ahead
- * of it. So two yields that come back late, one soon after the other, mark the core contested,
- * and for a while after that waits sleep briefly instead of yielding (one late yield alone
- * happens on a quiet machine too, where a thread of the program's own or the system's ran).
+ * of it. So a few yields that come back late, each soon after the one before, mark the core
+ * contested, and for a while after that waits sleep briefly instead of yielding (a late yield
+ * now and then happens on a quiet machine too, where a thread of the program's own or the
+ * system's ran).
  * Each compiled module that waits keeps its own `IdleState`; the Python engine's `Backoff`
  * follows the same rule (`_core.idle.pause`). */
 #ifndef MPITENSOR_IDLE_H
@@ -22,8 +23,9 @@
 /* A yield that took longer than this gave the core away for a slice (a quiet machine's take
  * microseconds, one given to a busy core's other program milliseconds). */
 #define IDLE_SLOW_YIELD_NS 250000LL
-/* A second one within this long after the first marks the core contested. */
+/* IDLE_LATE_YIELDS of them, each within this long after the one before, mark the core contested. */
 #define IDLE_AGAIN_NS 100000000LL
+#define IDLE_LATE_YIELDS 3
 /* For this long after, pauses sleep instead of yielding (then one yield looks again). */
 #define IDLE_CONTESTED_NS 1000000000LL
 /* The sleep of a pause on a contested core. */
@@ -32,6 +34,7 @@
 typedef struct {
     long long contested_until; /* CLOCK_MONOTONIC ns; 0: the core was never contested */
     long long slow_at;         /* when the last yield that came back late ended */
+    int late;                  /* how many came back late, each soon after the one before */
 } IdleState;
 
 static inline long long idle_now(void) {
@@ -61,7 +64,9 @@ static inline void idle_pause(IdleState *state) {
     long long end = idle_now();
     if (end - start <= IDLE_SLOW_YIELD_NS) return;
     long long before = __atomic_exchange_n(&state->slow_at, end, __ATOMIC_RELAXED);
-    if (end - before < IDLE_AGAIN_NS)
+    int late = end - before < IDLE_AGAIN_NS ? state->late + 1 : 1;
+    state->late = late;
+    if (late >= IDLE_LATE_YIELDS)
         __atomic_store_n(&state->contested_until, end + IDLE_CONTESTED_NS, __ATOMIC_RELAXED);
 }
 
