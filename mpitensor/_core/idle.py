@@ -6,7 +6,9 @@ waits for, and one that yields (``sched_yield``) to a program that wants the cor
 program's whole time slice under Linux's scheduler: a 332 KiB all-reduce took 10-18 ms where
 gloo's, which sleeps in the kernel until its data comes, took 0.5-1.7 ms. So mpitensor's waits
 spin briefly, then yield while yields come back at once (the core is free), and sleep briefly
-once one came back late (the core is contested; `native/idle.h`, and the engine's `Backoff`).
+once a few in a row came back late (the core is contested; `native/idle.h`, and the engine's
+`Backoff`). Where the node runs more of the job's ranks than it has cores, pauses only yield:
+the core goes to a peer of the job, which gives it back as soon as it waits in turn.
 
 MPI's blocking calls wait in MPI's own loop. Open MPI's calls the functions registered with
 ``opal_progress_register`` on each round: mpitensor registers one (`native/idle.c`) that,
@@ -104,15 +106,16 @@ _LIBRARY = "libopen-pal"
 
 
 class _Found:
-    """What arms Open MPI's blocking calls, looked up once: a ctypes function, or None."""
+    """What arms Open MPI's blocking calls (a ctypes function, or None), whether held calls block; found once."""
 
-    __slots__ = ("function", "library", "looked", "ours")
+    __slots__ = ("blocking", "function", "library", "looked", "ours")
 
     def __init__(self) -> None:
         self.looked = False
         self.function: Any = None
         self.library: Any = None
         self.ours = False
+        self.blocking: bool | None = None
 
 
 _found = _Found()
@@ -166,20 +169,24 @@ def _open_pal() -> Any:
 def _arm(library: Any) -> tuple[Any, bool]:
     """Register mpitensor's progress callback and return its switch, True; else Open MPI's yield setter, False."""
     switch = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_bool)
+    registered = _register(library)
+    if registered is not None:
+        return switch(registered), True
+    return switch(ctypes.cast(getattr(library, _SETTER), ctypes.c_void_p).value), False
+
+
+def _register(library: Any) -> int | None:
+    """Register the compiled progress callback with Open MPI; the address of its switch, or None without."""
     try:
         from ._idle import addresses  # type: ignore[import-not-found]
 
         progress, arm = addresses()
         register = getattr(library, _REGISTER)
     except (ImportError, AttributeError):
-        setter = getattr(library, _SETTER)
-        return switch(ctypes.cast(setter, ctypes.c_void_p).value), False
+        return None
     register.argtypes = [ctypes.c_void_p]
     register.restype = ctypes.c_int
-    if register(progress) != 0:
-        setter = getattr(library, _SETTER)
-        return switch(ctypes.cast(setter, ctypes.c_void_p).value), False
-    return switch(arm), True
+    return arm if register(progress) == 0 else None
 
 
 def blocking_waits() -> bool:
@@ -188,9 +195,11 @@ def blocking_waits() -> bool:
     The same on every rank of a job (it depends on the MPI only), so no blocking call ever
     pairs with a nonblocking one. Call it once MPI is loaded.
     """
-    from .mpi import vendor
+    if _found.blocking is None:
+        from .mpi import vendor
 
-    return vendor()[0] == "Open MPI"
+        _found.blocking = vendor()[0] == "Open MPI"
+    return _found.blocking
 
 
 def wait(request: Any) -> None:

@@ -237,12 +237,14 @@ static int increment(PyObject **field, PyObject **old) {
     return 0;
 }
 
-/* Where ranks outnumber cores, the peers a check waits for need this core: give it back between
- * tests (idle.h: a yield, or a short sleep where the core is contested), for at most YIELD_NS,
- * as the Python engine's wait for a check does (`Backoff`); only a check still in flight after
- * that goes to the Python engine. The GIL is released while pausing; the engine's lock stays held, which only keeps other threads' resolve() and
- * test() out for that long (nothing else may post meanwhile: only this thread calls
- * collectives). */
+/* Where ranks outnumber cores (or the thread waits for a late peer's check at the call), the
+ * peers a check waits for may need this core: give it back between tests, for at most
+ * YIELD_NS, as the Python engine's wait for a check does (`Backoff`): a yield where ranks
+ * outnumber cores, else idle.h's pause (a yield, or a short sleep where another program
+ * contends for the core). Only a check still in flight after that goes to the Python engine.
+ * The GIL is released while pausing; the engine's lock stays held, which only keeps other
+ * threads' resolve() and test() out for that long (nothing else may post meanwhile: only this
+ * thread calls collectives). */
 #define SPINS_WITH_A_CORE 64
 #define YIELD_NS 2000000
 
@@ -253,7 +255,6 @@ static int yield_until_done(void *slot, int *flag, int oversubscribed) {
     int code = 0;
     do {
         Py_BEGIN_ALLOW_THREADS
-        /* Where ranks outnumber cores a yield gives the core to a peer of this job (handle.c). */
         if (oversubscribed) sched_yield();
         else idle_pause(&idle_state);
         Py_END_ALLOW_THREADS
@@ -304,7 +305,8 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
     int flag = 0;
     for (int spin = 0; spin < lane->spins && !flag; spin++)
         if (mpi_test(slot, &flag) != 0) return 0; /* the Python engine tests it again and reports */
-    if (!flag && (lane->spins < SPINS_WITH_A_CORE || waiting_at_call) && yield_until_done(slot, &flag, lane->spins < SPINS_WITH_A_CORE) != 0)
+    int oversubscribed = lane->spins < SPINS_WITH_A_CORE;
+    if (!flag && (oversubscribed || waiting_at_call) && yield_until_done(slot, &flag, oversubscribed) != 0)
         return 0;
     if (!flag) return 0;
     if (!lane->gathers) /* every member said what this rank says, and carried what it carries */
