@@ -32,8 +32,8 @@ import time
 from typing import Any
 
 __all__ = [
-    "arm_address", "blocking_waits", "idle_call", "idling", "open_mpi_arm", "open_mpi_yields", "pause",
-    "set_oversubscribed", "sleeps_when_contested", "wait",
+    "arm_address", "blocking_waits", "idle_call", "idling", "open_mpi_arm", "pause", "set_oversubscribed",
+    "sleeps_when_contested", "wait",
 ]
 
 # As native/idle.h: a wait spins this long before it pauses; a yield slower than SLOW_YIELD_NS
@@ -140,13 +140,6 @@ def open_mpi_arm() -> Any:
 def sleeps_when_contested() -> bool:
     """Whether Open MPI's blocking calls follow mpitensor's idle rule (its progress callback is registered)."""
     return open_mpi_arm() is not None and _found.ours
-
-
-def open_mpi_yields() -> bool | None:
-    """Whether Open MPI's own progress yields the core when idle now; None where `open_mpi_arm` is None."""
-    if open_mpi_arm() is None:
-        return None
-    return ctypes.c_bool.in_dll(_found.library, "opal_progress_yield_when_idle").value
 
 
 def _open_pal() -> Any:

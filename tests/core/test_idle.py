@@ -6,6 +6,7 @@ MPIs' held calls are their nonblocking forms waited by mpitensor (`idle.blocking
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 
@@ -77,6 +78,8 @@ def test_held_calls_wait_the_way_their_mpi_allows_and_give_right_results():
             assert arm is None, "nothing to arm: not Open MPI, or the program chose Open MPI's setting"
         else:
             assert arm is not None, "Open MPI exports what the arm needs"
+            if importlib.util.find_spec("mpitensor._core._idle") is not None:
+                assert idle.sleeps_when_contested(), "the compiled progress callback is registered"
             assert arm(True) is False, "nothing is armed between calls"
             assert arm(False) is True, "the arm says what it was"
         for _ in range(3):  # held calls: the first in Python, the later ones compiled where built

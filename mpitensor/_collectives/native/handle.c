@@ -110,11 +110,7 @@ static int wait_slice(void *slot, int *flag, int yield) {
         if (code != 0 || *flag) return code;
         long long spent = idle_now() - start;
         if (spent >= SLICE_NS) return 0;
-        /* Where ranks outnumber cores the core goes to a peer of this job, which yields it back
-         * as soon as it waits in turn: a plain yield, never a sleep, which could leave the core
-         * idle while a peer could run. */
-        if (yield) sched_yield();
-        else if (spent >= SPIN_NS) idle_pause(&idle_state);
+        if (yield || spent >= SPIN_NS) idle_pause(&idle_state, yield);
     }
 }
 

@@ -255,8 +255,7 @@ static int yield_until_done(void *slot, int *flag, int oversubscribed) {
     int code = 0;
     do {
         Py_BEGIN_ALLOW_THREADS
-        if (oversubscribed) sched_yield();
-        else idle_pause(&idle_state);
+        idle_pause(&idle_state, oversubscribed);
         Py_END_ALLOW_THREADS
         code = mpi_test(slot, flag);
     } while (code == 0 && !*flag && idle_now() - start < YIELD_NS);
@@ -549,7 +548,7 @@ static int wait_idle(void *request, int oversubscribed) {
     for (;;) {
         int code = mpi_test(request, &flag);
         if (code != 0 || flag) return code;
-        if (idle_now() - start >= IDLE_SPIN_NS) idle_pause(&idle_state);
+        if (idle_now() - start >= IDLE_SPIN_NS) idle_pause(&idle_state, 0);
     }
 }
 

@@ -27,9 +27,7 @@ static IdleState state;
 static int progress(void) {
     long long at = __atomic_load_n(&armed_at, __ATOMIC_RELAXED);
     if (at == 0 || (idle_now() - at < ARMED_SPIN_NS && !idle_contested(&state))) return 0;
-    /* Where ranks outnumber cores a yield gives the core to a peer of this job (_core/idle.py). */
-    if (__atomic_load_n(&oversubscribed, __ATOMIC_RELAXED)) sched_yield();
-    else idle_pause(&state);
+    idle_pause(&state, __atomic_load_n(&oversubscribed, __ATOMIC_RELAXED));
     return 0;
 }
 

@@ -49,10 +49,16 @@ static inline int idle_contested(IdleState *state) {
     return idle_now() < __atomic_load_n(&state->contested_until, __ATOMIC_RELAXED);
 }
 
-/* One pause of a wait for a peer: a yield, or a short sleep while the core is contested. */
-static inline void idle_pause(IdleState *state) {
-    long long start = idle_now();
-    if (start < __atomic_load_n(&state->contested_until, __ATOMIC_RELAXED)) {
+/* One pause of a wait for a peer: a yield, or a short sleep while the core is contested. Where
+ * the node runs more of the job's ranks than it has cores (`oversubscribed`), always a yield:
+ * the core goes to a peer of the job, which gives it back as soon as it waits in turn, while a
+ * sleep could leave the core idle when a peer could run. */
+static inline void idle_pause(IdleState *state, int oversubscribed) {
+    if (oversubscribed) {
+        sched_yield();
+        return;
+    }
+    if (idle_contested(state)) {
         struct timespec pause = {0, IDLE_SLEEP_NS};
         /* The thread's timer slack (50 us by default) would add to each pause: 1 us while it sleeps. */
         prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
@@ -60,6 +66,7 @@ static inline void idle_pause(IdleState *state) {
         prctl(PR_SET_TIMERSLACK, 0UL, 0, 0, 0); /* 0: the thread's default again */
         return;
     }
+    long long start = idle_now();
     sched_yield();
     long long end = idle_now();
     if (end - start <= IDLE_SLOW_YIELD_NS) return;
