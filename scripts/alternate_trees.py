@@ -1,6 +1,6 @@
 """Per-call cost of two source trees of mpitensor, alternated within one run, on 2 ranks.
 
-    python scripts/alternate_trees.py BASE_TREE [--this TREE] [--rounds 5] [--venv .venv-openmpi]
+    python scripts/alternate_trees.py BASE_TREE [--this TREE] [--rounds 5] [--venv .venv-openmpi] [--case NAME ...]
 
 Each round runs one job of 2 ranks per tree (``PYTHONPATH`` set to the tree; each tree's
 compiled parts built in place, ``python setup.py build_ext --inplace``), this checkout's (or
@@ -15,7 +15,9 @@ machine's noise moves both trees of a round alike. Each batch of a case is follo
 of MPI's own call (mpi4py's ``Allreduce`` of the size; mpi4jax's call for mpitensor.jax), and a
 last column compares the trees' ratios of the case to it (each job's the median of its batch
 pairs): the ranks' placement on the cores changes from job to job and moves a job's every
-figure, MPI's own by up to 2x here. Rank 0 prints the table (Markdown).
+figure, MPI's own by up to 2x here. ``--case`` times only the cases named (more rounds of them
+in the same time); the table also gives the range of this / base over the rounds. Rank 0
+prints the table (Markdown).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # What one job times (run under mpiexec with the tree on PYTHONPATH); prints one JSON line on rank 0.
 _JOB = r'''
-import json, sys, time
+import json, os, sys, time
 import numpy as np
 import mpitensor as mt
 from mpi4py import MPI
@@ -44,8 +46,12 @@ def batch(call, count, comm):
         call()
     return (time.perf_counter_ns() - start) / count / 1000
 
+ONLY = set(filter(None, os.environ.get("ALTERNATE_CASES", "").split("|")))
+
 def timed(call, count, comm, samples, name, reference=None):
     # Batches of the case, each followed by one of its reference (MPI's own call) when it has one.
+    if ONLY and name not in ONLY:
+        return
     for _ in range(max(1, count // 10)):
         call()
         if reference is not None:
@@ -112,8 +118,12 @@ if comm.Get_rank() == 0:
 '''
 
 
-def _job(tree: pathlib.Path, venv: pathlib.Path, script: pathlib.Path) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+def _job(tree: pathlib.Path, venv: pathlib.Path, script: pathlib.Path, cases: list[str]) -> dict[str, float]:
+    # Every job compiles every module from source, whatever each tree's own __pycache__ holds:
+    # a copy of a working tree with its caches (some stale) took 1.21x the time of the same
+    # tree fresh for MPICH's 1 MiB all-reduce, and 0.99x once they were removed.
+    env = dict(os.environ, PYTHONPATH=str(tree), ALTERNATE_CASES="|".join(cases), PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPYCACHEPREFIX=str(script.parent / f"{script.stem}_no_cache"))
     command = [str(ROOT / "scripts" / "mpirun.sh"), "--venv", str(venv), "-n", "2", str(venv / "bin" / "python"),
                str(script)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tree, timeout=900, check=False)
@@ -130,6 +140,8 @@ def main() -> int:
     parser.add_argument("--this", type=pathlib.Path, default=ROOT, help="the tree measured against it (default: here)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--venv", type=pathlib.Path, default=ROOT / ".venv-openmpi")
+    parser.add_argument("--case", action="append", default=[], metavar="NAME",
+                        help="time only this case (its name in the table, e.g. 'all_reduce 1 MiB'); repeatable")
     args = parser.parse_args()
     script = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"alternate_trees_{os.getpid()}.py"
     script.write_text(_JOB)
@@ -137,7 +149,7 @@ def main() -> int:
     runs: dict[str, list[dict[str, float]]] = {"this": [], "base": []}
     for round_ in range(args.rounds):
         for name in (("this", "base") if round_ % 2 == 0 else ("base", "this")):
-            runs[name].append(_job(trees[name], args.venv.resolve(), script))
+            runs[name].append(_job(trees[name], args.venv.resolve(), script, args.case))
         print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr, flush=True)
     print(_table(runs, args))
     return 0
@@ -155,18 +167,19 @@ def _table(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
     cases = [case for case in runs["this"][0]
              if not case.endswith(" / MPI") and all(case in run for run in every)]
     lines = [f"2 ranks, {args.venv.name}, {args.rounds} rounds, base {args.base}", "",
-             "| case | base us | this us | this / base | this / base, each against MPI's own in its job |",
-             "|---|---|---|---|---|"]
+             "| case | base us | this us | this / base | its rounds | this / base, each against MPI's own in its job |",
+             "|---|---|---|---|---|---|"]
     for case in cases:
         base = [run[case] for run in runs["base"]]
         this = [run[case] for run in runs["this"]]
-        ratio = statistics.median(t / b for t, b in zip(this, base))
+        ratios = [t / b for t, b in zip(this, base)]
+        ratio = statistics.median(ratios)
         against, ref = "", case + " / MPI"
         if all(ref in run for run in every):
             pairs = zip(runs["this"], runs["base"])
             against = f"{statistics.median(t[ref] / b[ref] for t, b in pairs):.3f}"
         lines.append(f"| {case} | {statistics.median(base):.2f} | {statistics.median(this):.2f} | {ratio:.3f} | "
-                     f"{against} |")
+                     f"{min(ratios):.2f}-{max(ratios):.2f} | {against} |")
     return "\n".join(lines)
 
 
