@@ -65,6 +65,19 @@ class Remote:
         self._local_ref = ctypes.byref(self._local)
         self._remote_ref = ctypes.byref(self._remote)
 
+    def aim(self, pid: int, address: int, size: int) -> Remote:
+        """Read from another slice from now on (a kept reader's next operation); returns itself.
+
+        Args:
+            pid: the peer's process id.
+            address: where the slice starts in its memory.
+            size: its length in elements.
+        """
+        self.pid = pid
+        self.address = address
+        self.size = size
+        return self
+
     def __getitem__(self, key: slice) -> np.ndarray:
         low, high = key.start, key.stop
         nbytes = (high - low) * self.itemsize

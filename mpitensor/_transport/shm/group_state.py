@@ -12,6 +12,7 @@ import numpy as np
 from ..._core.idle import pause
 from ..base import Channel, Stepper
 from .arena import Arena, Block, Lease, map_peer
+from .cma import Remote
 from .protocol import C_ARRIVE, C_COPIED, C_DONE, C_READY, CONTROL_BYTES, CTL_ID, INFO_LEN
 from .settings import MAX_PEER_MAP_BYTES, PIECE_BYTES, cpu_count
 
@@ -79,7 +80,7 @@ class GroupState:
         self.peer_controls: list[np.ndarray] = []  # the node peers', in rank order
         self.flags = False  # synchronize through the control blocks
         self.cma: bool | None = None  # read peers' inputs directly (None: not tried yet)
-        self.cma_buffers: dict[tuple[int, str], np.ndarray] = {}
+        self.readers: dict[tuple[int, str], Remote] = {}
         # Reused by every operation (they run one at a time): the node's descriptors, and
         # the waits on the peers' control blocks.
         self.rows = np.zeros((group.size, INFO_LEN), np.int64)
@@ -104,13 +105,18 @@ class GroupState:
                 return np.asarray(Lease(self.arena, block, tuple(shape), dtype)), block
         return pool.empty(shape, dtype), None
 
-    def cma_buffer(self, index: int, dtype: np.dtype) -> np.ndarray:
-        """This rank's piece-sized buffer for reading node peer number `index`."""
+    def reader(self, index: int, dtype: np.dtype, readv: Any) -> Remote:
+        """This rank's reader of node peer number `index`'s input (`Remote`), with its piece-sized buffer.
+
+        Kept per peer and dtype, as the operations of a group run one at a time: each aims it
+        at its own slice (`Remote.aim`).
+        """
         key = (index, dtype.str)
-        buffer = self.cma_buffers.get(key)
-        if buffer is None:
-            buffer = self.cma_buffers[key] = np.empty(max(1, PIECE_BYTES // dtype.itemsize), dtype)
-        return buffer
+        reader = self.readers.get(key)
+        if reader is None:
+            buffer = np.empty(max(1, PIECE_BYTES // dtype.itemsize), dtype)
+            reader = self.readers[key] = Remote(readv, 0, 0, 0, buffer)
+        return reader
 
     def control_block(self) -> Block | None:
         """This rank's control block (created on first use), or None without memory."""
