@@ -58,7 +58,8 @@ static inline void idle_pause(IdleState *state, int oversubscribed) {
         sched_yield();
         return;
     }
-    if (idle_contested(state)) {
+    long long start = idle_now(); /* read once: the contested test and a yield's timing */
+    if (start < __atomic_load_n(&state->contested_until, __ATOMIC_RELAXED)) {
         struct timespec pause = {0, IDLE_SLEEP_NS};
         /* The thread's timer slack (50 us by default) would add to each pause: 1 us while it sleeps. */
         prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
@@ -66,7 +67,6 @@ static inline void idle_pause(IdleState *state, int oversubscribed) {
         prctl(PR_SET_TIMERSLACK, 0UL, 0, 0, 0); /* 0: the thread's default again */
         return;
     }
-    long long start = idle_now();
     sched_yield();
     long long end = idle_now();
     if (end - start <= IDLE_SLOW_YIELD_NS) return;
