@@ -157,13 +157,24 @@ def round_done(progress: Callable[[str], None] | None, comm: Any, family: str, r
 
 def seconds_per_call(call: Callable[[], Any], reps: int, barrier: Callable[[], None]) -> float:
     """This rank's mean seconds per call of `reps` calls, after a warm-up and a barrier."""
+    return times_per_call(call, reps, barrier)[0]
+
+
+def times_per_call(call: Callable[[], Any], reps: int, barrier: Callable[[], None]) -> tuple[float, float]:
+    """This rank's mean seconds per call of `reps` calls, and the CPU seconds its process spent per call.
+
+    The CPU time counts every thread of the process (``time.process_time``): a wait that
+    polls shows there, one that sleeps in the kernel does not.
+    """
     for _ in range(max(3, reps // 10)):
         call()
     barrier()
+    cpu = time.process_time()
     began = time.perf_counter()
     for _ in range(reps):
         call()
-    return (time.perf_counter() - began) / reps
+    ended = time.perf_counter()
+    return (ended - began) / reps, (time.process_time() - cpu) / reps
 
 
 def median(values: Sequence[float]) -> float:
@@ -373,5 +384,5 @@ def size_axis(axis: Any, sizes: Sequence[int]) -> None:
     axis.grid(True, which="both", alpha=0.3)
 
 
-__all__ += ["load_average", "markdown_table", "median", "ratio", "seconds_per_call", "size_axis", "text_table", "us",
-            "gbps"]
+__all__ += ["load_average", "markdown_table", "median", "ratio", "seconds_per_call", "size_axis", "text_table",
+            "times_per_call", "us", "gbps"]

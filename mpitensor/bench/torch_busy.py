@@ -11,7 +11,11 @@ round), it times:
 - a DDP training step (forward, backward with its one gradient bucket of about 333 KiB,
   SGD) of an MLP of 85k parameters (784-104-32-10), DDP on gloo and DDP on the backend.
 
-Each figure is the median over rounds of the slowest rank's mean time per call (or step).
+Each figure is the median over rounds of the slowest rank's mean time per call (or step);
+beside it, the CPU time a rank's process spent per call (every thread; the median over rounds
+of the ranks' mean). A rank shares its core with a hog, so the scheduler gives it about half of
+it: what a wait burns polling shows there, and comes back as time the rank's compute waits for
+its core.
 
 Run ``mpiexec -n 2 python -m mpitensor.bench torch --busy``.
 """
@@ -30,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from .._core.mpi import MPI
-from ._common import markdown_table, seconds_per_call, start_gloo, stop_gloo, text_table
+from ._common import markdown_table, start_gloo, stop_gloo, text_table, times_per_call
 
 __all__ = ["format_torch_busy", "run_torch_busy"]
 
@@ -83,7 +87,7 @@ def _ddp_step(model: Any, optim: Any, x: Any, y: Any) -> Callable[[], None]:
     return step
 
 
-def run_torch_busy(rounds: int = 9, reps: int = 20, steps: int = 10, hogs: int | None = None,
+def run_torch_busy(rounds: int = 15, reps: int = 20, steps: int = 10, hogs: int | None = None,
                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Time the backend's all-reduce and DDP step against gloo's with a CPU hog per core; every rank calls it.
 
@@ -95,8 +99,9 @@ def run_torch_busy(rounds: int = 9, reps: int = 20, steps: int = 10, hogs: int |
         progress: called with a line on rank 0 when the run is over.
 
     Returns:
-        The settings, the median seconds per call of each variant and the backend's ratios
-        to gloo; ``{"skipped": reason}`` without torch.
+        The settings, the median seconds per call of each variant (``seconds``), the CPU
+        seconds per call (``cpu_seconds``) and the backend's ratios to gloo;
+        ``{"skipped": reason}`` without torch.
     """
     try:
         import torch
@@ -116,7 +121,7 @@ def run_torch_busy(rounds: int = 9, reps: int = 20, steps: int = 10, hogs: int |
             with cpu_hogs(hogs if ctx.local_rank == 0 else 0):
                 ctx.comm.Barrier()
                 time.sleep(0.5)  # the hogs have started on every node
-                times = _interleaved(variants, rounds, ctx.comm)
+                times, cpu = _interleaved(variants, rounds, ctx.comm)
         finally:
             variants = group = {}  # DDP goes before its process group (see stop_gloo)
             stop_gloo(dist)
@@ -124,7 +129,7 @@ def run_torch_busy(rounds: int = 9, reps: int = 20, steps: int = 10, hogs: int |
         progress("torch --busy: done")
     medians = {name: float(np.median(values)) for name, values in times.items()}
     return {"ranks": ctx.size, "rounds": rounds, "hogs_per_node": hogs, "cores": os.cpu_count(),
-            "seconds": medians,
+            "seconds": medians, "cpu_seconds": {name: float(np.median(values)) for name, values in cpu.items()},
             "all_reduce_backend_over_gloo": medians["all_reduce mpitensor"] / medians["all_reduce gloo"],
             "ddp_step_backend_over_gloo": medians["ddp step mpitensor"] / medians["ddp step gloo"]}
 
@@ -145,30 +150,35 @@ def _variants(torch: Any, dist: Any, group: Any, rank: int, reps: int, steps: in
     }
 
 
-def _interleaved(variants: dict[str, tuple[Any, int]], rounds: int, comm: Any) -> dict[str, list[float]]:
-    """Per variant, the slowest rank's mean seconds per call in each round (the order rotating)."""
+def _interleaved(variants: dict[str, tuple[Any, int]], rounds: int,
+                 comm: Any) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per variant and round (the order rotating): the slowest rank's seconds per call, the ranks' mean CPU seconds."""
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds):
         for turn in range(len(names)):
             name = names[(turn + round_) % len(names)]
             call, reps = variants[name]
-            took = seconds_per_call(call, reps, comm.Barrier)
+            took, spent = times_per_call(call, reps, comm.Barrier)
             times[name].append(comm.allreduce(took, op=MPI.MAX))
-    return times
+            cpu[name].append(comm.allreduce(spent) / comm.Get_size())
+    return times, cpu
 
 
 def format_torch_busy(result: dict[str, Any], markdown: bool = True) -> str:
     """The result as a table: per measurement gloo's time, the backend's, and their ratio."""
     if "skipped" in result:
         return f"torch --busy: skipped ({result['skipped']})"
-    seconds = result["seconds"]
-    header = ["measurement", "gloo ms", "mpitensor ms", "mpitensor / gloo"]
+    seconds, cpu = result["seconds"], result["cpu_seconds"]
+    header = ["measurement", "gloo ms", "mpitensor ms", "mpitensor / gloo", "gloo CPU ms", "mpitensor CPU ms"]
     rows = [[what, f"{seconds[f'{what} gloo'] * 1e3:.2f}", f"{seconds[f'{what} mpitensor'] * 1e3:.2f}",
-             f"{seconds[f'{what} mpitensor'] / seconds[f'{what} gloo']:.2f}"]
+             f"{seconds[f'{what} mpitensor'] / seconds[f'{what} gloo']:.2f}",
+             f"{cpu[f'{what} gloo'] * 1e3:.2f}", f"{cpu[f'{what} mpitensor'] * 1e3:.2f}"]
             for what in ("all_reduce", "ddp step")]
     title = (f"The mpitensor backend against gloo beside {result['hogs_per_node']} CPU hogs per node "
              f"({result['cores']} cores), {result['ranks']} ranks, medians of {result['rounds']} interleaved "
-             "rounds: a 332 KiB all_reduce, a DDP step of an 85k-parameter MLP")
+             "rounds: a 332 KiB all_reduce, a DDP step of an 85k-parameter MLP; CPU: a rank's process, "
+             "every thread")
     table = markdown_table(header, rows) if markdown else text_table(header, rows)
     return f"{title}\n\n{table}\n" if markdown else f"{title}\n{table}"
