@@ -167,7 +167,7 @@ def _interleaved(variants: dict[str, tuple[Any, int]], rounds: int,
 
 
 def format_torch_busy(result: dict[str, Any], markdown: bool = True) -> str:
-    """The result as a table: per measurement gloo's time, the backend's, and their ratio."""
+    """The result as a table: per measurement gloo's time, the backend's, their ratio, and their CPU per call."""
     if "skipped" in result:
         return f"torch --busy: skipped ({result['skipped']})"
     seconds, cpu = result["seconds"], result["cpu_seconds"]
