@@ -9,6 +9,7 @@ import numpy as np
 
 from .._core.config import ReduceOperation, parse_op
 from .._core.dtypes import reduce_plan
+from .._core.idle import contested
 from .._core.interop import refuse_int_overflow
 from .._core.limits import HELD_INTO_BYTES, SMALL_BYTES
 from .._core.state import open_contexts
@@ -143,9 +144,11 @@ def _held(array: Any, op: ReduceOperation | str | None, devices: DevicesArg, out
     group = ctx.full_group if devices is None else ctx.group(devices, "all_reduce")
     call = ReduceCall(ctx, group, HeldBuffers(array, out if into else array), plan, array.nbytes)
     select(HELD_ALL_REDUCE, call).prepare(call)
+    # In a group of 2 the check says whether this rank's core is contested (`held_all_reduce`).
+    pair = group.size == 2
     record = check_record(ctx, group, make_record(_HELD_INTO if into else _HELD, "all_reduce", reduce_op, array.dtype,
-                                                   array.shape, -1, group.members))
-    handle = start_reduction(call, record, ctx.cpu_device)
+                                                   array.shape, -1, group.members, per_rank=int(pair and contested())))
+    handle = start_reduction(call, record, ctx.cpu_device, exchange=pair and record is not None)
     key = held_key(array, op, into)
     if devices is None and find_plan(ctx, key) is None:
         keep_plan(ctx, key, compiled_held_lane(ctx, ctx.full_group, op, array, plan, record, into))

@@ -413,17 +413,22 @@ def _decodes(call: ReduceCall) -> bool:
     return call.final is call.out and call.transport is not PLAIN and isinstance(codec, (OrderedKeys, BoolBytes))
 
 
-def start_reduction(call: ReduceCall, record: Any, device: Any) -> CollectiveTensor:
+def start_reduction(call: ReduceCall, record: Any, device: Any, exchange: bool = False) -> CollectiveTensor:
     """Submit a prepared host all-reduce `call` and return its handle.
 
     Args:
         call: the call, its transport chosen and prepared.
         record: the check's record, or None.
         device: the result's device.
+        exchange: the transport's ``start`` takes every rank's per-rank value of the check
+            (a held all-reduce of 2 ranks: whether each rank's core is contested).
     """
     finish = reduction_finisher(call)
     if call.transport is IN_CHECK:
         op = Op("all_reduce", call.group, call.nbytes, call.start_from, finish, record, payload=call.send)
+    elif exchange:
+        op = Op("all_reduce", call.group, call.nbytes, call.start_from, finish, record, (call,), call.protections,
+                exchange=True)
     else:
         op = Op("all_reduce", call.group, call.nbytes, call.start, finish, record, (call,), call.protections)
     ctx = call.ctx

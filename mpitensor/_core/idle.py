@@ -32,7 +32,8 @@ import time
 from typing import Any
 
 __all__ = [
-    "arm_address", "blocking_waits", "idle_call", "idling", "open_mpi_arm", "pause", "set_oversubscribed",
+    "arm_address", "blocking_waits", "contested", "contested_address",
+    "idle_call", "idling", "mark_contested", "open_mpi_arm", "pause", "set_oversubscribed",
     "sleeps_when_contested", "wait",
 ]
 
@@ -106,12 +107,18 @@ _LIBRARY = "libopen-pal"
 
 
 class _Found:
-    """What arms Open MPI's blocking calls (a ctypes function, or None), whether held calls block; found once."""
+    """What arms Open MPI's blocking calls (a ctypes function, or None), whether held calls block; found once.
 
-    __slots__ = ("blocking", "function", "library", "looked", "ours")
+    With mpitensor's progress callback registered (`ours`), also its `contested` function and
+    that function's compiled address.
+    """
+
+    __slots__ = ("blocking", "contested", "contested_at", "function", "library", "looked", "ours")
 
     def __init__(self) -> None:
         self.looked = False
+        self.contested: Any = None
+        self.contested_at = 0
         self.function: Any = None
         self.library: Any = None
         self.ours = False
@@ -171,15 +178,48 @@ def _arm(library: Any) -> tuple[Any, bool]:
 def _register(library: Any) -> int | None:
     """Register the compiled progress callback with Open MPI; the address of its switch, or None without."""
     try:
-        from ._idle import addresses  # type: ignore[import-not-found]
+        from ._idle import addresses, contested  # type: ignore[import-not-found]
 
-        progress, arm = addresses()
+        progress, arm, _found.contested_at = addresses()
         register = getattr(library, _REGISTER)
     except (ImportError, AttributeError):
         return None
+    _found.contested = contested
     register.argtypes = [ctypes.c_void_p]
     register.restype = ctypes.c_int
     return arm if register(progress) == 0 else None
+
+
+def contested() -> bool:
+    """Whether this process's core is contested now, as mpitensor's waits in Open MPI's blocking calls found it.
+
+    False where those waits do not follow mpitensor's rule (`sleeps_when_contested`: other
+    MPIs, or a program that chose Open MPI's own setting) and where the job's ranks outnumber
+    the node's cores. A held all-reduce of 2 ranks says it in its check, and both ranks then
+    move the data in one exchange (`_transport.mpi.all_reduce.held_all_reduce`).
+    """
+    return sleeps_when_contested() and bool(_found.contested())
+
+
+def mark_contested(seconds: float) -> None:
+    """Have the waits in Open MPI's blocking calls take the core as contested for `seconds` (0: no longer).
+
+    As a few late yields would (`native/idle.h`): their pauses sleep, and `contested` says
+    so. For programs and tests that know the core is (or is not) shared; nothing where
+    those waits do not follow mpitensor's rule (`sleeps_when_contested`).
+    """
+    if sleeps_when_contested():
+        from ._idle import contest_for  # type: ignore[import-not-found]
+
+        contest_for(seconds)
+
+
+def contested_address() -> int:
+    """The address of `contested`'s compiled ``int (void)`` function, for compiled code (0: none, never contested).
+
+    Call it once MPI is loaded.
+    """
+    return _found.contested_at if sleeps_when_contested() else 0
 
 
 def blocking_waits() -> bool:

@@ -108,11 +108,14 @@ class ReduceCall:
         return self.transport.start(self)
 
     def start_from(self, rows: Any) -> list[Any] | Stepper:
-        """`start` for a call whose data travelled in its consistency check (`inline.InCheck`).
+        """`start` for a call whose post takes what its consistency check gathered.
 
         Args:
-            rows: every member's gathered check row, as the engine hands them to the op's
-                ``post``; None when some member's row carried no input (see `inline`).
+            rows: what the engine hands to the op's ``post``: for a call whose data
+                travelled in its check (`inline.InCheck`), every member's gathered check
+                row, or None when some member's row carried no input (see `inline`); for a
+                held all-reduce of 2 ranks (`mpi.all_reduce.Held`), every member's per-rank
+                value (whether its core is contested).
         """
         return self.transport.start(self, rows)
 

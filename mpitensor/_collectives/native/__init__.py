@@ -51,7 +51,7 @@ import numpy as np
 from ..._core import state
 from ..._core.config import ReduceOperation, compiled_parts_off
 from ..._core.dtypes import OrderedKeys
-from ..._core.idle import arm_address, blocking_waits
+from ..._core.idle import arm_address, blocking_waits, contested_address
 from ..._core.interop import take_quickly
 from ..._core.limits import GATHERED_CHECK_RANKS
 from ..._core.mpi import MPI, launched_fault_tolerant, pointer_handles
@@ -61,6 +61,7 @@ from ..._core.tensor import Tensor
 from ..._runtime.engine import AGREE_STAGE, COMPLETE, REAP_AFTER, SPIN_PAUSES, STATES, Op
 from ..._transport.inline import CARRIED, HEADER_BYTES, PAYLOAD_BYTES, ROW_BYTES, reduce_carried, reduce_carried_keys
 from ..._transport.mpi import (
+    EXCHANGE_TAG,
     SMALL_BYTES,
     held_all_gather,
     held_all_reduce,
@@ -183,6 +184,7 @@ def _bind() -> bool:
             reap_after=REAP_AFTER, gathered_ranks=GATHERED_CHECK_RANKS,
             spin_pauses=SPIN_PAUSES, take_quickly=take_quickly, small_bytes=SMALL_BYTES,
             convert=Convert, idle_arm=arm_address(), held_blocking=blocking_waits(),
+            idle_contested=contested_address(), exchange_tag=EXCHANGE_TAG,
         )
     except (RuntimeError, TypeError) as exc:
         _binding.why = f"cannot bind to this MPI: {exc}"

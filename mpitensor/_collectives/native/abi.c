@@ -39,6 +39,10 @@ typedef int (*igather_ptr)(const void *, int, void *, void *, int, void *, int, 
 typedef int (*igather_int)(const void *, int, int, void *, int, int, int, int, void *);
 typedef int (*ireduce_ptr)(const void *, void *, int, void *, void *, int, void *, void *);
 typedef int (*ireduce_int)(const void *, void *, int, int, int, int, int, void *);
+typedef int (*sendrecv_ptr)(const void *, int, void *, int, int, void *, int, void *, int, int, void *, void *);
+typedef int (*sendrecv_int)(const void *, int, int, int, int, void *, int, int, int, int, int, void *);
+typedef int (*reduce_local_ptr)(const void *, void *, int, void *, void *);
+typedef int (*reduce_local_int)(const void *, void *, int, int, int);
 typedef int (*comm_rank_ptr)(void *, int *);
 typedef int (*comm_rank_int)(int, int *);
 typedef int (*comm_size_ptr)(void *, int *);
@@ -57,7 +61,7 @@ typedef void *(*handle_get)(PyObject *);
 static struct {
     int pointer_handles;
     void *iallreduce, *iallgather, *allreduce, *allgather, *bcast, *alltoall, *gather, *reduce, *comm_rank, *comm_size;
-    void *ibcast, *ialltoall, *igather, *ireduce;
+    void *ibcast, *ialltoall, *igather, *ireduce, *sendrecv, *reduce_local;
     void *op_create, *op_new;
     test_fn test;
     wait_fn wait;
@@ -89,7 +93,9 @@ static int find_in(void *library, const char *why_prefix, char *why, size_t why_
     mpi.ialltoall = dlsym(library, "MPI_Ialltoall");
     mpi.igather = dlsym(library, "MPI_Igather");
     mpi.ireduce = dlsym(library, "MPI_Ireduce");
-    if (mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait && mpi.allreduce && mpi.allgather && mpi.bcast &&
+    mpi.sendrecv = dlsym(library, "MPI_Sendrecv");
+    mpi.reduce_local = dlsym(library, "MPI_Reduce_local");
+    if (mpi.sendrecv && mpi.reduce_local && mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait && mpi.allreduce && mpi.allgather && mpi.bcast &&
         mpi.alltoall && mpi.gather && mpi.reduce && mpi.comm_rank && mpi.comm_size && mpi.op_create &&
         mpi.ibcast && mpi.ialltoall && mpi.igather && mpi.ireduce)
         return 1;
@@ -123,7 +129,7 @@ static int find_functions(char *why, size_t why_size) {
     if (search.found != NULL && find_in(search.found, "", why, why_size)) return 0;
     snprintf(why, why_size, "no loaded library exports MPI_Iallreduce, MPI_Iallgather, MPI_Test, MPI_Wait, "
                             "MPI_Allreduce, MPI_Allgather, MPI_Bcast, MPI_Alltoall, MPI_Gather, MPI_Reduce, their "
-                            "nonblocking forms and MPI_Comm_rank");
+                            "nonblocking forms, MPI_Sendrecv, MPI_Reduce_local and MPI_Comm_rank");
     return -1;
 }
 
@@ -231,6 +237,21 @@ int mpi_allreduce(const void *send, void *recv, int count, mpi_handle datatype, 
     if (mpi.pointer_handles)
         return ((allreduce_ptr)mpi.allreduce)(from, recv, count, (void *)datatype, (void *)op, (void *)comm);
     return ((allreduce_int)mpi.allreduce)(from, recv, count, (int)datatype, (int)op, (int)comm);
+}
+
+int mpi_sendrecv(const void *send, void *recv, int count, mpi_handle datatype, int peer, int tag, mpi_handle comm) {
+    any_status status;
+    if (mpi.pointer_handles)
+        return ((sendrecv_ptr)mpi.sendrecv)(send, count, (void *)datatype, peer, tag, recv, count, (void *)datatype,
+                                            peer, tag, (void *)comm, &status);
+    return ((sendrecv_int)mpi.sendrecv)(send, count, (int)datatype, peer, tag, recv, count, (int)datatype, peer, tag,
+                                        (int)comm, &status);
+}
+
+int mpi_reduce_local(const void *in, void *inout, int count, mpi_handle datatype, mpi_handle op) {
+    if (mpi.pointer_handles)
+        return ((reduce_local_ptr)mpi.reduce_local)(in, inout, count, (void *)datatype, (void *)op);
+    return ((reduce_local_int)mpi.reduce_local)(in, inout, count, (int)datatype, (int)op);
 }
 
 int mpi_iallgather_bytes(const void *send, void *recv, int count, mpi_handle comm, void *request) {

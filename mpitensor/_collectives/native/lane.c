@@ -41,6 +41,7 @@
 #include <limits.h>
 #include <pythread.h>
 #include <string.h>
+#include <structmember.h>
 
 #include "idle.h"
 
@@ -63,6 +64,12 @@ typedef struct {
     int size, spins, divide, rows_kind, type_num;
     int keys; /* MPI reduces MAX/MIN keys of floats: 0 none, else KEYS_MAX or KEYS_MIN */
     int into; /* HELD: the result lands in the caller's other array (1), or in the input (0) */
+    /* A HELD all-reduce of 2 ranks: its per-rank value says whether this rank's core is contested
+     * (consts.contested), and where a rank's is, the data moves in one exchange (`exchange_once`,
+     * as _transport/mpi/all_reduce.py `held_all_reduce` does); `once`: the last agreed check said so. */
+    int contests, once;
+    long long exchanged; /* calls whose data this lane moved in one exchange */
+    void *scratch; /* what one exchange receives into where it cannot be the result buffer (NULL: not made yet) */
     /* Whether the group's checks gather rows; else (a large group) they all-reduce one record of
      * consts.check_words int64 with mpitensor's op (check.c), `code` saying what a CHECK call carries. */
     int gathers;
@@ -217,7 +224,8 @@ static void fill_row(Lane *lane, char *row, PyArrayObject *array) {
         if (carried) memcpy(words + RECORD_PAYLOAD, PyArray_DATA(array), (size_t)carried);
         return;
     }
-    int64_t header[2] = {(int64_t)lane->value, (int64_t)lane->per_rank};
+    int64_t per_rank = lane->contests ? consts.contested != NULL && consts.contested() : lane->per_rank;
+    int64_t header[2] = {(int64_t)lane->value, per_rank};
     memcpy(row, header, sizeof header);
     if (carried) memcpy(row + consts.header_bytes, PyArray_DATA(array), (size_t)carried);
     memset(row + consts.header_bytes + carried, 0, (size_t)(consts.payload_bytes - carried));
@@ -311,8 +319,16 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
     if (!lane->gathers) /* every member said what this rank says, and carried what it carries */
         return memcmp(rows, row, 4 * sizeof(int64_t)) == 0 &&
                ((const int64_t *)rows)[RECORD_CODE] == ((const int64_t *)row)[RECORD_CODE];
-    for (int member = 0; member < lane->size; member++)
-        if (memcmp(rows + (size_t)member * consts.row_bytes, row, (size_t)consts.header_bytes) != 0) return 0;
+    /* Every member's row says what this rank's says; a contesting lane's per-rank values may
+     * differ (whether each core is contested), and any one set makes the data move in one exchange. */
+    size_t compared = lane->contests ? sizeof(int64_t) : (size_t)consts.header_bytes;
+    int once = 0;
+    for (int member = 0; member < lane->size; member++) {
+        const char *said = rows + (size_t)member * consts.row_bytes;
+        if (memcmp(said, row, compared) != 0) return 0;
+        once |= lane->contests && ((const int64_t *)said)[1] != 0;
+    }
+    lane->once = once;
     return 1;
 }
 
@@ -355,6 +371,7 @@ static int queue_op(Lane *lane, PyObject *op, PyObject *seq, PyObject *send, PyO
         field_set(&o->check_req, request);
         field_steal(&o->post, post);
         field_steal(&o->check_stage, stage);
+        if (lane->contests) field_set(&o->exchange, Py_True); /* its post takes each rank's contested state */
         post = stage = NULL;
     }
     if (payload != Py_None) Py_DECREF(payload);
@@ -552,6 +569,26 @@ static int wait_idle(void *request, int oversubscribed) {
     }
 }
 
+/* A contesting lane's all-reduce in one exchange, from `source` (NULL: in place) into `out`: each
+ * rank sends its whole input and reduces rank 0's op rank 1's, so both get the same bits (a
+ * sum of two NaNs keeps the first one's payload). As _transport/mpi/all_reduce.py `exchange_once`, with
+ * which a peer on the Python path pairs; rank 0 receives into `out` where its input is elsewhere.
+ * Call without the GIL, `lane->scratch` allocated. */
+static int exchange_once(Lane *lane, const void *source, void *out) {
+    const void *send = source != NULL ? source : out;
+    int first = lane->me == 0, count = (int)lane->count;
+    void *received = first && source != NULL ? out : lane->scratch;
+    int code = mpi_sendrecv(send, received, count, lane->datatype, 1 - lane->me, consts.exchange_tag, lane->comm);
+    if (code != 0) return code;
+    if (!first) {
+        if (source != NULL) memcpy(out, source, (size_t)lane->nbytes);
+        return mpi_reduce_local(received, out, count, lane->datatype, lane->mpi_op);
+    }
+    code = mpi_reduce_local(send, received, count, lane->datatype, lane->mpi_op);
+    if (code == 0 && received != out) memcpy(out, received, (size_t)lane->nbytes);
+    return code;
+}
+
 /* The HELD call's data from `source` (NULL: in place) into `out`; call without the GIL. MPI's
  * blocking call where its wait can be made to pause (`consts.arm_idle` around it: Open MPI),
  * else its nonblocking call waited by `wait_idle`: a rank that waits for a peer gives its core
@@ -559,9 +596,10 @@ static int wait_idle(void *request, int oversubscribed) {
 static int held_mpi(Lane *lane, const void *source, void *out) {
     int at_root = lane->me == lane->root, code;
     if (lane->collective == OF_BROADCAST && at_root) memcpy(out, source, (size_t)lane->nbytes);
-    if (consts.held_blocking) {
+    if (consts.held_blocking || lane->once) {
         _Bool armed = consts.arm_idle != NULL ? consts.arm_idle(1) : 0;
-        code = held_post(lane, source, out, NULL);
+        code = lane->once ? exchange_once(lane, source, out) : held_post(lane, source, out, NULL);
+        lane->exchanged += lane->once;
         if (consts.arm_idle != NULL) consts.arm_idle(armed);
     } else {
         intptr_t request = 0; /* an MPI_Request: an int or a pointer */
@@ -619,6 +657,13 @@ static PyObject *call_run(Lane *lane, Call *call) {
     /* Beyond `reap_after` ops in flight the Python path reaps the oldest (and holds back). */
     if (idle > 0 && (!PyList_Check(posted) || PyList_GET_SIZE(posted) >= consts.reap_after)) idle = 0;
     int64_t called = lane->ring == NULL ? 0 : ring_api->now();
+    /* A contesting lane's scratch, made on its first call before anything is posted: once the
+     * check agrees, a peer may already wait in the one exchange. */
+    if (idle > 0 && lane->contests && lane->scratch == NULL &&
+        (lane->scratch = PyMem_RawMalloc((size_t)lane->nbytes)) == NULL) {
+        PyErr_NoMemory();
+        idle = -1;
+    }
     /* A carried call gets its span only if it is queued: at once, its record is written whole. */
     if (idle > 0 && lane->kind == LANE_COPY && trace_begin(lane, call, called) < 0)
         idle = -1; /* out of memory: nothing is posted */
@@ -857,6 +902,7 @@ static int Lane_init(PyObject *self, PyObject *args, PyObject *kwargs) {
                  !PyErr_Occurred();
     if (ok) ok = mpi_comm_size(lane->comm, &lane->size) == 0;
     lane->gathers = lane->size <= consts.gathered_ranks;
+    lane->contests = lane->kind == LANE_HELD && lane->collective == OF_ALL_REDUCE && lane->size == 2;
     /* A large group's check: the (datatype, op) of its records (_transport/reduced_check.py). */
     if (ok && !lane->gathers && record != Py_None) {
         ok = PyTuple_CheckExact(check_reduction) && PyTuple_GET_SIZE(check_reduction) == 2 && consts.check_words > 0;
@@ -945,6 +991,7 @@ static int Lane_clear(PyObject *self) {
 static void Lane_dealloc(PyObject *self) {
     PyObject_GC_UnTrack(self);
     Lane_clear(self);
+    PyMem_RawFree(((Lane *)self)->scratch);
     Py_TYPE(self)->tp_free(self);
 }
 
@@ -1120,6 +1167,12 @@ PyDoc_STRVAR(Lane_doc,
 "`mpi_op`, the result at the root, the input elsewhere). root: a rooted call's root, its\n"
 "index in the group; -1 otherwise.");
 
+static PyMemberDef Lane_members[] = {
+    {"exchanged", T_LONGLONG, offsetof(Lane, exchanged), READONLY,
+     "The calls whose data this lane moved in one exchange (a held all-reduce of 2 ranks, a core contested)."},
+    {NULL, 0, 0, 0, NULL},
+};
+
 PyTypeObject LaneType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "mpitensor._collectives.native._lanes.Lane",
@@ -1130,6 +1183,7 @@ PyTypeObject LaneType = {
     .tp_traverse = Lane_traverse,
     .tp_clear = Lane_clear,
     .tp_methods = Lane_methods,
+    .tp_members = Lane_members,
     .tp_init = Lane_init,
     .tp_new = PyType_GenericNew,
 };

@@ -57,6 +57,10 @@ int mpi_ialltoall_bytes(const void *send, void *recv, int count, mpi_handle comm
 int mpi_igather_bytes(const void *send, void *recv, int count, int root, mpi_handle comm, void *request);
 int mpi_ireduce(const void *send, void *recv, int count, mpi_handle datatype, mpi_handle op, int root,
                 mpi_handle comm, void *request);
+/* Blocking MPI_Sendrecv of `count` elements with rank `peer` (sent and received under `tag`),
+ * and MPI_Reduce_local (inout = in op inout); call without the GIL. */
+int mpi_sendrecv(const void *send, void *recv, int count, mpi_handle datatype, int peer, int tag, mpi_handle comm);
+int mpi_reduce_local(const void *in, void *inout, int count, mpi_handle datatype, mpi_handle op);
 int mpi_comm_rank(mpi_handle comm, int *rank);
 /* Nonblocking all-reduce of `count` elements from `send` (NULL: MPI_IN_PLACE) into `recv` (a
  * large group's check; a held call's data where MPI's blocking calls cannot be made to pause). */
@@ -124,6 +128,7 @@ static inline void trace_mark(PyObject *op, int field) {
 
 /* ---- constants the Python side gives at bind time (module.c) --------------------------- */
 typedef _Bool (*idle_switch)(_Bool);
+typedef int (*idle_probe)(void);
 typedef struct {
     PyObject *open_contexts;        /* _core.state.open_contexts, the stack of contexts */
     PyObject *states[5];            /* the engine's op states as ints: CHECKING .. FAILED */
@@ -143,6 +148,8 @@ typedef struct {
     int spin_pauses;                /* Engine.spin_pauses where each rank has a core */
     idle_switch arm_idle;           /* set around a blocking call (_core/idle.py open_mpi_arm), or NULL */
     int held_blocking;              /* held calls move their data in MPI's blocking calls (idle.blocking_waits) */
+    idle_probe contested;           /* whether the core is contested now (_core/idle.py contested), or NULL */
+    int exchange_tag;               /* the tag of a contesting held lane's one exchange (EXCHANGE_TAG) */
     int bound;
 } Constants;
 

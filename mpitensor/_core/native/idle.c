@@ -38,9 +38,26 @@ static bool arm(bool on) {
     return previous != 0;
 }
 
+/* Whether the core is contested now, as the armed calls' pauses found it (idle.h); never where
+ * the job's ranks outnumber the node's cores (there the core goes to a peer of the job). The
+ * held all-reduces of 2 ranks tell it to their peer in the check (_transport/mpi/all_reduce.py). */
+static int contested(void) {
+    return !__atomic_load_n(&oversubscribed, __ATOMIC_RELAXED) && idle_contested(&state);
+}
+
 static PyObject *addresses(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("(NN)", PyLong_FromVoidPtr((void *)(uintptr_t)progress),
-                         PyLong_FromVoidPtr((void *)(uintptr_t)arm));
+    return Py_BuildValue("(NNN)", PyLong_FromVoidPtr((void *)(uintptr_t)progress),
+                         PyLong_FromVoidPtr((void *)(uintptr_t)arm), PyLong_FromVoidPtr((void *)(uintptr_t)contested));
+}
+
+static PyObject *contested_now(PyObject *self, PyObject *unused) { return PyBool_FromLong(contested()); }
+
+static PyObject *contest_for(PyObject *self, PyObject *seconds) {
+    double span = PyFloat_AsDouble(seconds);
+    if (span == -1.0 && PyErr_Occurred()) return NULL;
+    long long until = span > 0 ? idle_now() + (long long)(span * 1e9) : 0;
+    __atomic_store_n(&state.contested_until, until, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
 }
 
 static PyObject *set_oversubscribed(PyObject *self, PyObject *flag) {
@@ -59,7 +76,14 @@ static PyMethodDef methods[] = {
      "addresses()\n--\n\n"
      "The addresses of ``int progress(void)``, for ``opal_progress_register``, and of\n"
      "``bool arm(bool)``, which a blocking call sets around itself (it returns the previous\n"
-     "setting)."},
+     "setting), and of ``int contested(void)`` (`contested`)."},
+    {"contested", contested_now, METH_NOARGS,
+     "contested()\n--\n\n"
+     "Whether the core is contested now, as the armed calls' pauses found it (never where the\n"
+     "job's ranks outnumber the node's cores)."},
+    {"contest_for", contest_for, METH_O,
+     "contest_for(seconds)\n--\n\n"
+     "Take the core as contested for `seconds` from now, as a few late yields would (0: no longer)."},
     {NULL, NULL, 0, NULL},
 };
 

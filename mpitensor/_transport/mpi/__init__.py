@@ -23,6 +23,7 @@ an operation with several ways to move its data has `Transport` objects chosen b
 from __future__ import annotations
 
 from .all_reduce import (
+    EXCHANGE_TAG,
     SMALL_BYTES,
     Held,
     HeldUnchecked,
@@ -54,7 +55,8 @@ from .symmetric import (
 )
 
 __all__ = [
-    "SMALL_BYTES", "Held", "HeldUnchecked", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather", "any_source",
+    "EXCHANGE_TAG", "SMALL_BYTES", "Held", "HeldUnchecked", "InPlace", "OnCopy", "Plain", "SmallOnCopy", "all_gather",
+    "any_source",
     "all_gather_each", "all_gatherv", "all_reduce_buckets", "all_reduce_buffers", "all_to_all", "all_to_allv",
     "barrier", "broadcast", "broadcast_each", "exscan", "gather", "gatherv", "held_all_gather", "held_all_reduce",
     "held_all_to_all", "held_broadcast", "held_gather", "held_reduce", "in_place",

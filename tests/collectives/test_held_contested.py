@@ -1,0 +1,124 @@
+"""Held all-reduces of 2 ranks move their data in one exchange where a rank's core is contested.
+
+Each rank says in the check whether its core is contested (`_core.idle.contested`, what the
+waits in Open MPI's blocking calls found); where either says so, both send their whole input
+once and reduce rank 0's op rank 1's (`exchange_once`, or the compiled held lane's own), else
+MPI's all-reduce moves it. The tests mark one rank, both or neither contested
+(`idle.mark_contested`, as late yields would), count the one-exchange calls on each rank (the
+Python path's and the compiled lanes' `exchanged`), and compare every result with NumPy's
+reduction of both inputs and with the peer's bits. Elsewhere than Open MPI with mpitensor's progress
+callback, no core is ever contested and every call takes MPI's algorithm.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import mpitensor as mt
+from mpitensor._collectives.lane import CopiedInto
+from mpitensor._core import idle
+from mpitensor._transport.mpi import all_reduce as mpi_all_reduce
+from tests.helpers import OP, assert_matches, kept_plan, rank_input, reference, rejects, seed_of
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+SHAPE = (20_000,)  # larger than 64 KiB at 4 bytes: an in-place call is held
+CASES = [(np.float64, OP.SUM), (np.float32, OP.MEAN), (np.int64, OP.PROD), (np.int32, OP.MAX), (np.uint64, OP.BXOR),
+         (np.complex128, OP.SUM)]
+WHO = {"neither": (), "first": (0,), "second": (1,), "both": (0, 1)}
+
+
+@pytest.fixture
+def exchanges(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The one-exchange calls this rank made on the Python path (the real function runs; each appends the count)."""
+    made: list[int] = []
+    real = mpi_all_reduce.exchange_once
+
+    def counted(comm, send, out, plan):
+        made.append(out.size)
+        real(comm, send, out, plan)
+
+    monkeypatch.setattr(mpi_all_reduce, "exchange_once", counted)
+    yield made
+    idle.mark_contested(0)
+
+
+def _pair(ctx: mt.DistributedContext) -> list[int] | None:
+    """The group of the calls: every rank where there are 2, else ranks 0 and 1."""
+    return None if ctx.size == 2 else [0, 1]
+
+
+def _effective() -> bool:
+    """Whether this rank's waits can take its core as contested (Open MPI's blocking calls, a core per rank)."""
+    return idle.sleeps_when_contested() and not idle._contested.oversubscribed
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["in_place", "into_out"])
+@pytest.mark.parametrize("who", list(WHO))
+def test_a_contested_rank_has_both_reduce_in_one_exchange(exchanges, who, into):
+    """Five calls of each kind (the later ones on the compiled lane where it is built), one with a late peer.
+
+    Both ranks make the same number of one-exchange calls; every call where a marked rank's
+    waits can take the core as contested. With neither marked, a core the machine really
+    contends for may still choose it: then both ranks do alike.
+    """
+    with mt.DistributedContext.init() as ctx:
+        pair = _pair(ctx)
+        if ctx.rank < 2:
+            idle.mark_contested(60 if ctx.rank in WHO[who] else 0)
+            assert idle.contested() == (ctx.rank in WHO[who] and _effective())
+            calls = _reduce_all(ctx, pair, into)
+            made = len(exchanges) + _compiled_exchanges(ctx, into)
+            counts = mt.all_gather(np.array([made]), devices=pair).resolve().numpy()
+            assert counts[0] == counts[1], f"the ranks chose alike: {counts}"
+            if WHO[who]:
+                assert made == (calls if _effective() else 0), (who, made, calls)
+            idle.mark_contested(0)
+        mt.barrier()
+
+
+def _compiled_exchanges(ctx: mt.DistributedContext, into: bool) -> int:
+    """The one-exchange calls of the compiled held lanes `ctx` keeps for `CASES` (none on sub-groups)."""
+    made = 0
+    for dtype, op in CASES:
+        plan = kept_plan(ctx, "all_reduce", np.dtype(dtype), SHAPE, op, "held", into)
+        if plan is not None and not isinstance(plan, CopiedInto):
+            made += plan.exchanged
+    return made
+
+
+def _reduce_all(ctx: mt.DistributedContext, pair: list[int] | None, into: bool) -> int:
+    """Held all-reduces of every case on the 2 ranks, checked against NumPy and the peer's bits; how many."""
+    calls = 0
+    for dtype, op in CASES:
+        if rejects(op, np.dtype(dtype)):
+            continue
+        for turn in range(5):
+            inputs = [rank_input(seed_of("contested", np.dtype(dtype).name, op.name, into, turn), r, SHAPE, dtype)
+                      for r in range(2)]
+            if turn == 4 and ctx.rank == 1:
+                time.sleep(0.05)  # the peer is late: its check is queued for the engine
+            array = inputs[ctx.rank].copy()
+            out = np.empty_like(array) if into else None
+            result = mt.all_reduce(array, op, pair, out=out, held=True).resolve().numpy()
+            assert np.shares_memory(result, out if into else array), "the result is the caller's buffer"
+            assert_matches(result, reference(op, inputs), op, 2)
+            theirs = mt.all_gather(result.view(np.uint8), devices=pair).resolve().numpy().reshape(2, -1)
+            assert np.array_equal(theirs[0], theirs[1]), "both ranks hold the same bits"
+            calls += 1
+    return calls
+
+
+def test_the_contested_state_is_never_set_where_waits_cannot_sleep():
+    """Where Open MPI's blocking calls do not follow mpitensor's rule, or ranks outnumber cores, marking is idle."""
+    with mt.DistributedContext.init():
+        idle.mark_contested(60)
+        try:
+            assert idle.contested() == _effective()
+            assert (idle.contested_address() != 0) == idle.sleeps_when_contested()
+        finally:
+            idle.mark_contested(0)
+        assert not idle.contested()
