@@ -22,6 +22,11 @@ yield every 1,000 polls: there mpitensor posts the nonblocking form of the call 
 it itself (`wait`), as the compiled held calls do in C (`blocking_waits` says which; the
 nonblocking forms took the blocking ones' time there, while Open MPI's took up to 2.5 times
 as long).
+
+What those waits found also chooses how a held all-reduce of 2 ranks moves its data: each
+rank says in the call's check whether its core is contested (`contested`), and where one
+does, both exchange their whole input once instead of MPI's two exchanges of half, each of
+which waits for the peer to be scheduled again (`_transport.mpi.all_reduce.held_all_reduce`).
 """
 
 from __future__ import annotations

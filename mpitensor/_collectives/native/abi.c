@@ -95,7 +95,8 @@ static int find_in(void *library, const char *why_prefix, char *why, size_t why_
     mpi.ireduce = dlsym(library, "MPI_Ireduce");
     mpi.sendrecv = dlsym(library, "MPI_Sendrecv");
     mpi.reduce_local = dlsym(library, "MPI_Reduce_local");
-    if (mpi.sendrecv && mpi.reduce_local && mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait && mpi.allreduce && mpi.allgather && mpi.bcast &&
+    if (mpi.sendrecv && mpi.reduce_local && mpi.iallreduce && mpi.iallgather && mpi.test && mpi.wait &&
+        mpi.allreduce && mpi.allgather && mpi.bcast &&
         mpi.alltoall && mpi.gather && mpi.reduce && mpi.comm_rank && mpi.comm_size && mpi.op_create &&
         mpi.ibcast && mpi.ialltoall && mpi.igather && mpi.ireduce)
         return 1;

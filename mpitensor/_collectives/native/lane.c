@@ -570,10 +570,11 @@ static int wait_idle(void *request, int oversubscribed) {
 }
 
 /* A contesting lane's all-reduce in one exchange, from `source` (NULL: in place) into `out`: each
- * rank sends its whole input and reduces rank 0's op rank 1's, so both get the same bits (a
- * sum of two NaNs keeps the first one's payload). As _transport/mpi/all_reduce.py `exchange_once`, with
- * which a peer on the Python path pairs; rank 0 receives into `out` where its input is elsewhere.
- * Call without the GIL, `lane->scratch` allocated. */
+ * rank sends its whole input and reduces rank 0's op rank 1's, so both get the same bits (a sum
+ * of two NaNs keeps the first one's payload). As _transport/mpi/all_reduce.py `exchange_once`,
+ * with which a peer on the Python path pairs; rank 0 receives into `out` where its input is
+ * elsewhere. A blocking MPI_Sendrecv on every MPI: only Open MPI's waits take a core as
+ * contested. Call without the GIL, `lane->scratch` allocated. */
 static int exchange_once(Lane *lane, const void *source, void *out) {
     const void *send = source != NULL ? source : out;
     int first = lane->me == 0, count = (int)lane->count;
