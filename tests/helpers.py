@@ -258,6 +258,18 @@ def kept_plan(ctx: mt.DistributedContext, *key: object) -> object:
     return find_plan(ctx, key)
 
 
+def ranks_outnumber_cores(ctx: mt.DistributedContext) -> bool:
+    """Whether `ctx`'s node runs more of its ranks than the cores they may run on (every rank calls it)."""
+    from mpitensor._core.mpi import MPI
+
+    node = ctx.comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        cores = set().union(*node.allgather(sorted(os.sched_getaffinity(0))))
+        return ctx.size > 1 and node.Get_size() > len(cores)
+    finally:
+        node.Free()
+
+
 def still_usable(ctx: mt.DistributedContext) -> None:
     """Assert that a small all-reduce over the whole context still gives the right sum (after a misuse)."""
     assert mt.all_reduce(np.ones(3)).resolve().numpy().tolist() == [float(ctx.size)] * 3

@@ -16,6 +16,7 @@ import pytest
 import mpitensor as mt
 from mpitensor._core import idle
 from mpitensor._core.mpi import MPI, vendor
+from tests.helpers import ranks_outnumber_cores
 
 
 def test_late_yields_in_a_row_mark_the_core_contested_and_pauses_then_sleep(monkeypatch):
@@ -61,13 +62,7 @@ def test_where_ranks_outnumber_cores_pauses_only_yield(monkeypatch):
 
 def test_a_context_says_whether_ranks_outnumber_cores():
     with mt.DistributedContext.init() as ctx:
-        node = ctx.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        try:
-            cores = set().union(*node.allgather(sorted(os.sched_getaffinity(0))))
-            expected = ctx.size > 1 and node.Get_size() > len(cores)
-        finally:
-            node.Free()
-        assert idle._contested.oversubscribed == expected
+        assert idle._contested.oversubscribed == ranks_outnumber_cores(ctx)
 
 
 def test_held_calls_wait_the_way_their_mpi_allows_and_give_right_results():
