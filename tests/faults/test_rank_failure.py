@@ -179,8 +179,30 @@ def test_two_ranks_die_at_once(tmp_path):
 @needs_ulfm
 @pytest.mark.parametrize("delay", [0.0, 0.003], ids=["at-once", "3ms-in"])
 def test_a_rank_dies_during_shrink(delay, tmp_path):
-    """Rank 3 dies in an all-reduce; rank 2 dies while the survivors shrink: ranks 0 and 1 go on, two of them."""
-    result = _job(
+    """Rank 3 dies in an all-reduce; rank 2 dies while the survivors shrink: ranks 0 and 1 go on, two of them.
+
+    Open MPI 5.0's own failure handling sometimes crashes here (a segfault inside
+    `ompi_comm_set_rank_failed` or `ompi_comm_revoke_local`, in about one job of 40): such a job
+    says nothing of mpitensor, so it runs once more, and the assertions hold for a job that ran.
+    """
+    for attempt in range(2):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        result = _rank_dies_during_shrink(delay, folder)
+        if not any(frame in result.output for frame in _OPEN_MPI_CRASH):
+            break
+    for rank in (0, 1):
+        assert "shrunk 2" in result.reports.get(rank, []), result.output
+    _assert_finished(result, [0, 1], 2)
+
+
+# Frames of Open MPI's failure handling seen in the backtraces of its own crashes.
+_OPEN_MPI_CRASH = ("ompi_comm_set_rank_failed", "ompi_comm_revoke_local")
+
+
+def _rank_dies_during_shrink(delay: float, tmp_path) -> ChildResult:
+    """The job of `test_a_rank_dies_during_shrink`."""
+    return _job(
         f"""
         ctx = mt.DistributedContext.init(config=CHECKED)
         phases.lose_a_rank(ctx, "all_reduce", [3], "SIGKILL", 1, {SMALL})
@@ -195,9 +217,6 @@ def test_a_rank_dies_during_shrink(delay, tmp_path):
         4,
         tmp_path,
     )
-    for rank in (0, 1):
-        assert "shrunk 2" in result.reports.get(rank, []), result.output
-    _assert_finished(result, [0, 1], 2)
 
 
 @needs_ulfm
