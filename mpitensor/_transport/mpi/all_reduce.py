@@ -202,8 +202,9 @@ def held_all_reduce(comm: Any, send: np.ndarray, out: np.ndarray, plan: Any,
     (`exchange_once`): MPI's algorithm for 2 ranks exchanges twice (half the buffer
     reduced, then the halves swapped), and on a core that another program contends for
     each exchange waits for the peer to be scheduled again (a DDP step beside a CPU hog
-    per core took 0.86-1.02x gloo's time with one exchange, 0.99-1.15x with two), while
-    on a quiet machine MPI's algorithm is the faster (0.09-0.12 ms against 0.15 ms at 332 KiB).
+    per core took 0.86-1.17x gloo's time, median 0.99, with this choice against 0.93-1.25x,
+    median 1.12, without: BENCHMARKS.md), while on a quiet machine MPI's algorithm is the
+    faster (Open MPI's one exchange took 0.15 ms at 332 KiB against its own 0.09-0.12 ms).
 
     Args:
         comm: the group's communicator.
