@@ -69,7 +69,7 @@ typedef struct {
      * as _transport/mpi/all_reduce.py `held_all_reduce` does); `once`: the last agreed check said so. */
     int contests, once;
     long long exchanged; /* calls whose data this lane moved in one exchange */
-    void *scratch; /* what one exchange receives into where it cannot be the result buffer (NULL: not made yet) */
+    void *scratch; /* what one exchange receives into where it cannot be the result buffer (NULL: none yet) */
     /* Whether the group's checks gather rows; else (a large group) they all-reduce one record of
      * consts.check_words int64 with mpitensor's op (check.c), `code` saying what a CHECK call carries. */
     int gathers;
@@ -297,6 +297,7 @@ PyObject *wait_at_call(PyObject *module, PyObject *flag) {
  * agreed yet (late, or rows that differ: the engine finds out which). -1: MPI failed to post
  * it (the context is broken; the error is set). Call with the engine's lock held. */
 static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, PyObject **seq) {
+    lane->once = 0;
     if (increment(&GROUP(lane->group)->check_seq, seq) < 0) return -1;
     if (increment(&ENGINE(lane->engine)->checks_posted, NULL) < 0) {
         Py_CLEAR(*seq);
@@ -329,7 +330,9 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
         once |= lane->contests && ((const int64_t *)said)[1] != 0;
     }
     lane->once = once;
-    return 1;
+    /* A lane that has no buffer to receive into yet leaves its first one exchange to the engine
+     * (`call_run` then makes the buffer): a quiet machine's lanes never hold one. */
+    return !(once && lane->scratch == NULL);
 }
 
 /* Make `op` an op whose check is posted and not yet agreed, and queue it on the group as
@@ -574,7 +577,7 @@ static int wait_idle(void *request, int oversubscribed) {
  * of two NaNs keeps the first one's payload). As _transport/mpi/all_reduce.py `exchange_once`,
  * with which a peer on the Python path pairs; rank 0 receives into `out` where its input is
  * elsewhere. A blocking MPI_Sendrecv on every MPI: only Open MPI's waits take a core as
- * contested. Call without the GIL, `lane->scratch` allocated. */
+ * contested. Call without the GIL, `lane->scratch` made (`check_at_once` agrees only then). */
 static int exchange_once(Lane *lane, const void *source, void *out) {
     const void *send = source != NULL ? source : out;
     int first = lane->me == 0, count = (int)lane->count;
@@ -658,13 +661,6 @@ static PyObject *call_run(Lane *lane, Call *call) {
     /* Beyond `reap_after` ops in flight the Python path reaps the oldest (and holds back). */
     if (idle > 0 && (!PyList_Check(posted) || PyList_GET_SIZE(posted) >= consts.reap_after)) idle = 0;
     int64_t called = lane->ring == NULL ? 0 : ring_api->now();
-    /* A contesting lane's scratch, made on its first call before anything is posted: once the
-     * check agrees, a peer may already wait in the one exchange. */
-    if (idle > 0 && lane->contests && lane->scratch == NULL &&
-        (lane->scratch = PyMem_RawMalloc((size_t)lane->nbytes)) == NULL) {
-        PyErr_NoMemory();
-        idle = -1;
-    }
     /* A carried call gets its span only if it is queued: at once, its record is written whole. */
     if (idle > 0 && lane->kind == LANE_COPY && trace_begin(lane, call, called) < 0)
         idle = -1; /* out of memory: nothing is posted */
@@ -682,6 +678,8 @@ static PyObject *call_run(Lane *lane, Call *call) {
             queued = queue_op(lane, call->op, seq, call->send, call->recv, call->check_request, call->source,
                               call->out) < 0 ? -1 : 1;
             if (queued < 0) lost_check(lane);
+            /* NULL (memory ran out): the lane's one exchanges keep going to the engine. */
+            if (lane->once && lane->scratch == NULL) lane->scratch = PyMem_RawMalloc((size_t)lane->nbytes);
         }
         if (collecting) PyGC_Enable();
     }
