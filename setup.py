@@ -41,6 +41,14 @@ def _extensions() -> list[Extension]:
             extra_compile_args=["-O2"],
             optional=True,
         ),
+        # Two ranks of one node exchanging through shared memory, waiting on futexes (_transport/mpi/pair.py).
+        Extension(
+            "mpitensor._core._pair",
+            sources=["mpitensor/_core/native/pair.c"],
+            depends=["mpitensor/_core/native/pair.h"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
         Extension(
             "mpitensor._core.kernels._keys",
             sources=["mpitensor/_core/kernels/keys.c"],
@@ -54,7 +62,7 @@ def _extensions() -> list[Extension]:
             sources=[f"mpitensor/_collectives/native/{name}" for name in _SOURCES],
             depends=["mpitensor/_collectives/native/native.h", "mpitensor/_runtime/tracing/native/ring_api.h",
                      "mpitensor/_core/kernels/keys.h", "mpitensor/_core/native/records.h",
-                     "mpitensor/_core/native/idle.h"],
+                     "mpitensor/_core/native/idle.h", "mpitensor/_core/native/pair.h"],
             include_dirs=[numpy.get_include(), "mpitensor/_runtime/tracing/native", "mpitensor/_core/kernels",
                           "mpitensor/_core/native"],
             # Strict IEEE arithmetic: the reductions must give NumPy's bits, never fused or reordered.

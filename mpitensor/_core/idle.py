@@ -27,6 +27,9 @@ What those waits found also chooses how a held all-reduce of 2 ranks moves its d
 rank says in the call's check whether its core is contested (`contested`), and where one
 does, both exchange their whole input once instead of MPI's two exchanges of half, each of
 which waits for the peer to be scheduled again (`_transport.mpi.all_reduce.held_all_reduce`).
+Where both run on one node, that exchange goes through memory they share, and a rank whose
+peer is late sleeps in the kernel until the peer's input (or its check) is there
+(`_transport.mpi.pair`): no wake-ups at all while the peer waits for a core.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from .._core.protect import claim
 from .._core.records import EngineRecord, GroupRecord, OpRecord
 from .._transport.base import Stepper
 from .._transport.inline import CARRIED, HEADER_BYTES, INLINE_RANKS, PAYLOAD_BYTES, ROW_BYTES
+from .._transport.mpi.pair import doze_for_check, forget_pair, ring_for_check
 from .._transport.reduced_check import CHECK_WORDS, check_record, check_reduction, payload_of
 from .check import (
     ABANDON,
@@ -148,6 +149,7 @@ class Group(GroupRecord):
             if free is not None:
                 free()
         self.extra.clear()
+        forget_pair(self.comm)  # before the handle can be a later communicator's
         for name in ("detail_comm", "check_comm", "comm"):
             comm = getattr(self, name)
             if comm is not None and comm != MPI.COMM_NULL:
@@ -447,6 +449,8 @@ class Engine(EngineRecord):
             op.check_send = _HEADER.pack(value, per_rank) + (_NO_PAYLOAD if payload is None else payload)
             op.check_recv = bytearray(ROW_BYTES * group.size)
             op.check_req = group.check_comm.Iallgather(op.check_send, op.check_recv)
+            if group.size == 2:
+                ring_for_check(group.comm, group.check_seq)
         else:
             # One record of header, code and payload, reduced by mpitensor's own op (see reduced_check).
             op.check_send = check_record(value, record.per_rank, op.payload)
@@ -986,7 +990,10 @@ class Engine(EngineRecord):
                 return
             if backoff is None:
                 backoff = Backoff(self.spin_pauses)
-            backoff.pause()
+            # Where the check itself is what this rank waits for: see doze_for_check.
+            at_head = group.size == 2 and group.queue and group.queue[0] is op
+            if not (at_head and doze_for_check(group.comm, op.seq + 1)):
+                backoff.pause()
 
     def check_spins(self) -> int:
         """How many times a call tests its check before it yields: few where ranks outnumber cores."""

@@ -13,6 +13,7 @@ from .._core import mpi_arithmetic
 from .._core.kernels import keys as compiled_keys
 from .._core.kernels import streaming_add
 from .._runtime.context import DistributedContext, local_rank_env_check
+from .._transport.mpi.pair import pairs_built
 
 __all__ = ["collect", "format_table", "main"]
 
@@ -53,6 +54,7 @@ def collect(ctx: DistributedContext) -> list[dict[str, Any]]:
         "compiled": native.status(bind=True),
         "streaming": streaming_add is not None,
         "keys": compiled_keys is not None,
+        "pairs": pairs_built(),
         "jax_handler": _jax_handler_built(),
         "wrong_sums": " ".join(sorted(str(dtype) for dtype in mpi_arithmetic.probe())),
         "check": ctx.config.check,
@@ -102,6 +104,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.extend(f"compiled lane on rank {row['rank']}: {row['compiled']}" for row in rows)
     lines.append(f"streaming sum of large shared-memory all-reduces: {_on_off(rows, 'streaming')}")
     lines.append(f"compiled MAX/MIN keys of float32 and float64: {_on_off(rows, 'keys')}")
+    lines.append(f"shared pairs of 2 ranks on a node (held all-reduces, waits asleep): {_on_off(rows, 'pairs')}")
     handler = {row["jax_handler"] for row in rows}
     lines.append("mpitensor.jax's compiled handler (collectives inside jax.jit): "
                  + ("built" if handler == {True} else "not built (no C compiler at install)" if handler == {False}

@@ -3,7 +3,8 @@
 Each rank says in the check whether its core is contested (`_core.idle.contested`, what the
 waits in Open MPI's blocking calls found); where either says so, both send their whole input
 once and reduce rank 0's op rank 1's (`exchange_once`, or the compiled held lane's own), else
-MPI's all-reduce moves it. The tests mark one rank, both or neither contested
+MPI's all-reduce moves it; where both ranks run on one node, that exchange goes through their
+shared pair (`_transport/mpi/pair.py`). The tests mark one rank, both or neither contested
 (`idle.mark_contested`, as late yields would), count the one-exchange calls on each rank (the
 Python path's and the compiled lanes' `exchanged`), and compare every result with NumPy's
 reduction of both inputs and with the peer's bits. Elsewhere than Open MPI with mpitensor's progress
@@ -12,8 +13,12 @@ callback, no core is ever contested and every call takes MPI's algorithm.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,8 +26,15 @@ import pytest
 import mpitensor as mt
 from mpitensor._collectives.lane import CopiedInto
 from mpitensor._core import idle
+from mpitensor._core.mpi import MPI
 from mpitensor._transport.mpi import all_reduce as mpi_all_reduce
+from mpitensor._transport.mpi.pair import pairs_built
 from tests.helpers import OP, assert_matches, kept_plan, rank_input, ranks_outnumber_cores, reference, rejects, seed_of
+
+try:
+    from mpitensor._core import _pair as compiled_pair
+except ImportError:  # built without a C compiler: MPI's exchange only
+    compiled_pair = None
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -77,8 +89,24 @@ def test_a_contested_rank_has_both_reduce_in_one_exchange(exchanges, who, into):
             assert counts[0] == counts[1], f"the ranks chose alike: {counts}"
             if WHO[who]:
                 assert made == (calls if effective else 0), (who, made, calls)
+            if WHO[who] and effective and ctx.size == 2:
+                assert _pair_state(ctx) == _expected_pair_state(ctx)
             idle.mark_contested(0)
         mt.barrier()
+
+
+def _pair_state(ctx: mt.DistributedContext) -> int | None:
+    """Whether the 2 ranks' largest case went through their shared pair (1), MPI's exchange (-1); None: not built."""
+    nbytes = max(np.dtype(dtype).itemsize for dtype, _ in CASES) * SHAPE[0]
+    return _pair_state_of(ctx.full_group.comm, nbytes)
+
+
+def _expected_pair_state(ctx: mt.DistributedContext) -> int | None:
+    """Through the pair where both ranks run on one node and the pair module was built."""
+    if not pairs_built():
+        return None
+    one_node = len(set(ctx.full_group.comm.allgather(socket.gethostname()))) == 1
+    return 1 if one_node and os.environ.get("MPITENSOR_PAIR", "1") != "0" else -1
 
 
 def _compiled_exchanges(ctx: mt.DistributedContext, into: bool) -> int:
@@ -124,3 +152,23 @@ def test_the_contested_state_is_never_set_where_waits_cannot_sleep():
         finally:
             idle.mark_contested(0)
         assert not idle.contested()
+
+
+@pytest.mark.mpi(min_size=2, max_size=2)
+def test_the_one_exchange_goes_through_the_ranks_shared_pair():
+    """`exchange_once` as the engine calls it for a contested core, on every MPI: sizes that grow the pair, in place."""
+    with mt.DistributedContext.init() as ctx:
+        comm = ctx.full_group.comm
+        for turn, count in enumerate([10, 9_000, 200_000, 9_000, 150_000]):
+            inputs = [rank_input(seed_of("pair", turn), r, (count,), np.float64) for r in range(2)]
+            send = inputs[ctx.rank].copy()
+            out = send if turn % 2 else np.empty_like(send)
+            mpi_all_reduce.exchange_once(comm, send, out, SimpleNamespace(datatype=MPI.DOUBLE, mpi_op=MPI.SUM))
+            assert_matches(out, reference(OP.SUM, inputs), OP.SUM, 2)
+            theirs = comm.allgather(out.tobytes())
+            assert theirs[0] == theirs[1], "both ranks hold the same bits"
+            assert _pair_state_of(comm, out.nbytes) == _expected_pair_state(ctx)
+
+
+def _pair_state_of(comm: Any, nbytes: int) -> int | None:
+    return compiled_pair.state(comm.handle, nbytes) if pairs_built() else None

@@ -71,6 +71,7 @@ from ..._transport.mpi import (
     held_reduce,
     in_place,
 )
+from ..._transport.mpi.pair import pair_api_address
 from ..._transport.reduced_check import CHECK_WORDS, carry_code, check_reduction, use_compiled
 from ..common import CollectiveTensor, Convert, Later, settle_later
 
@@ -184,7 +185,7 @@ def _bind() -> bool:
             reap_after=REAP_AFTER, gathered_ranks=GATHERED_CHECK_RANKS,
             spin_pauses=SPIN_PAUSES, take_quickly=take_quickly, small_bytes=SMALL_BYTES,
             convert=Convert, idle_arm=arm_address(), held_blocking=blocking_waits(),
-            idle_contested=contested_address(), exchange_tag=EXCHANGE_TAG,
+            idle_contested=contested_address(), exchange_tag=EXCHANGE_TAG, pair_api=pair_api_address(),
         )
     except (RuntimeError, TypeError) as exc:
         _binding.why = f"cannot bind to this MPI: {exc}"

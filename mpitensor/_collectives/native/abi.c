@@ -70,6 +70,7 @@ static struct {
     mpi_handle request_null, byte;
     void *in_place;
     PyObject *exception;
+    int err_other;
 } mpi;
 
 /* A status is at most 8 ints and a count in every implementation known; leave room. */
@@ -205,8 +206,18 @@ int mpi_bind(PyObject *module, int pointer_handles, char *why, size_t why_size) 
         snprintf(why, why_size, "mpi4py.MPI.IN_PLACE is not an address");
         return -1;
     }
+    PyObject *other = PyObject_GetAttrString(module, "ERR_OTHER");
+    mpi.err_other = other == NULL ? -1 : (int)PyLong_AsLong(other);
+    Py_XDECREF(other);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        snprintf(why, why_size, "mpi4py.MPI lacks ERR_OTHER");
+        return -1;
+    }
     return 0;
 }
+
+int mpi_error_other(void) { return mpi.err_other; }
 
 static mpi_handle handle_of(PyObject *object, handle_get get) {
     void *slot = get(object);

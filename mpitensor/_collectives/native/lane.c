@@ -70,6 +70,10 @@ typedef struct {
     int contests, once;
     long long exchanged; /* calls whose data this lane moved in one exchange */
     void *scratch; /* what one exchange receives into where it cannot be the result buffer (NULL: none yet) */
+    /* The last agreed one exchange's way: through the group's shared pair (1, `pair` set), none
+     * set up yet (0: the Python path sets it up), or MPI's (-1; pair.h `find`). */
+    int shared;
+    Pair *pair;
     /* Whether the group's checks gather rows; else (a large group) they all-reduce one record of
      * consts.check_words int64 with mpitensor's op (check.c), `code` saying what a CHECK call carries. */
     int gathers;
@@ -270,6 +274,29 @@ static int yield_until_done(void *slot, int *flag, int oversubscribed) {
     return code;
 }
 
+/* A late check of a 2-rank group whose ranks share a pair, on a contested core: sleep until the
+ * peer posted its check (pair.h `doze`), then test it, for at most YIELD_NS, rather than queue
+ * it for the Python engine's waits, which look again every few microseconds. */
+#define DOZE_NS 500000L
+
+static int dozes(Lane *lane) {
+    return lane->size == 2 && consts.pair != NULL && consts.contested != NULL && consts.contested();
+}
+
+static int doze_until_done(Lane *lane, void *slot, int *flag, uint32_t checks) {
+    long long start = idle_now();
+    int code = 0, dozed;
+    do {
+        Py_BEGIN_ALLOW_THREADS
+        dozed = consts.pair->doze(lane->comm, checks, DOZE_NS);
+        if (dozed > 0) idle_pause(&idle_state, 0); /* posted: MPI's test has yet to find it */
+        Py_END_ALLOW_THREADS
+        if (dozed < 0) return 0; /* no pair: queued as before */
+        code = mpi_test(slot, flag);
+    } while (code == 0 && !*flag && idle_now() - start < YIELD_NS);
+    return code;
+}
+
 /* Whether this thread's calls wait for a late peer's check here, yielding the core between tests
  * as where ranks outnumber cores, rather than queue it at once: set by a caller that waits for
  * the result right away (`wait_at_call`: a collective inside a compiled program). Queued, the
@@ -291,6 +318,16 @@ PyObject *wait_at_call(PyObject *module, PyObject *flag) {
     return PyBool_FromLong(previous);
 }
 
+/* Whether this lane can move an agreed one exchange itself: through the group's shared pair, or
+ * through MPI where none will be and the lane has a buffer to receive into. Else the engine
+ * moves it: the Python path sets the pair up (both ranks are in the call), or `call_run` makes
+ * the buffer (a quiet machine's lanes never hold one). */
+static int exchange_ready(Lane *lane) {
+    lane->pair = NULL;
+    lane->shared = consts.pair == NULL ? -1 : consts.pair->find(lane->comm, (size_t)lane->nbytes, &lane->pair);
+    return lane->shared > 0 || (lane->shared < 0 && lane->scratch != NULL);
+}
+
 /* Post the check's all-gather of `row` into `rows` as `Engine._post_check` does (the group's
  * check number in *seq), then spin on it. 1: every row says what this rank's says (the same
  * call, and for a carried call each row carrying its input): agreed at once. 0: posted, not
@@ -310,12 +347,16 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
         mpi_failed(lane->engine, code, Py_None, lane->name);
         return -1;
     }
+    /* The group's checks this rank has posted, this one's included. */
+    uint32_t checks = (uint32_t)PyLong_AsUnsignedLongLongMask(*seq) + 1;
+    if (lane->size == 2 && consts.pair != NULL) consts.pair->ring(lane->comm, checks);
     int flag = 0;
     for (int spin = 0; spin < lane->spins && !flag; spin++)
         if (mpi_test(slot, &flag) != 0) return 0; /* the Python engine tests it again and reports */
     int oversubscribed = lane->spins < SPINS_WITH_A_CORE;
     if (!flag && (oversubscribed || waiting_at_call) && yield_until_done(slot, &flag, oversubscribed) != 0)
         return 0;
+    if (!flag && dozes(lane) && doze_until_done(lane, slot, &flag, checks) != 0) return 0;
     if (!flag) return 0;
     if (!lane->gathers) /* every member said what this rank says, and carried what it carries */
         return memcmp(rows, row, 4 * sizeof(int64_t)) == 0 &&
@@ -330,9 +371,7 @@ static int check_at_once(Lane *lane, const char *row, char *rows, void *slot, Py
         once |= lane->contests && ((const int64_t *)said)[1] != 0;
     }
     lane->once = once;
-    /* A lane that has no buffer to receive into yet leaves its first one exchange to the engine
-     * (`call_run` then makes the buffer): a quiet machine's lanes never hold one. */
-    return !(once && lane->scratch == NULL);
+    return !once || exchange_ready(lane);
 }
 
 /* Make `op` an op whose check is posted and not yet agreed, and queue it on the group as
@@ -576,9 +615,13 @@ static int wait_idle(void *request, int oversubscribed) {
  * rank sends its whole input and reduces rank 0's op rank 1's, so both get the same bits (a sum
  * of two NaNs keeps the first one's payload). As _transport/mpi/all_reduce.py `exchange_once`,
  * with which a peer on the Python path pairs; rank 0 receives into `out` where its input is
- * elsewhere. A blocking MPI_Sendrecv on every MPI: only Open MPI's waits take a core as
- * contested. Call without the GIL, `lane->scratch` made (`check_at_once` agrees only then). */
+ * elsewhere. Through the group's shared pair where one is set up (`exchange_shared`), else a
+ * blocking MPI_Sendrecv on every MPI (only Open MPI's waits take a core as contested). Call
+ * without the GIL, the pair found or `lane->scratch` made (`check_at_once` agrees only then). */
+static int exchange_shared(Lane *lane, const void *source, void *out);
+
 static int exchange_once(Lane *lane, const void *source, void *out) {
+    if (lane->pair != NULL) return exchange_shared(lane, source, out);
     const void *send = source != NULL ? source : out;
     int first = lane->me == 0, count = (int)lane->count;
     void *received = first && source != NULL ? out : lane->scratch;
@@ -590,6 +633,34 @@ static int exchange_once(Lane *lane, const void *source, void *out) {
     }
     code = mpi_reduce_local(send, received, count, lane->datatype, lane->mpi_op);
     if (code == 0 && received != out) memcpy(out, received, (size_t)lane->nbytes);
+    return code;
+}
+
+/* `exchange_once` through the group's shared pair (both ranks on one node): each rank writes its
+ * input into its slot and sleeps on a futex until the peer's is in the peer's (pair.h), then
+ * reduces rank 0's op rank 1's, as _transport/mpi/pair.py `exchange_through_pair`, with which a
+ * peer on the Python path pairs. Where the peer's process ended meanwhile, MPI's zero-byte
+ * exchange with it reports the failure as MPI's own exchange would have. */
+static int exchange_shared(Lane *lane, const void *source, void *out) {
+    const PairApi *api = consts.pair;
+    const void *send = source != NULL ? source : out, *peer = NULL;
+    size_t nbytes = (size_t)lane->nbytes;
+    if (api->post(lane->pair, send, nbytes) == 0) peer = api->await_peer(lane->pair);
+    if (peer == NULL) {
+        char none = 0;
+        /* The tag after the exchange's: the pair's own (pair.py PAIR_TAG). */
+        int code = mpi_sendrecv(&none, &none, 0, lane->datatype, 1 - lane->me, consts.exchange_tag + 1, lane->comm);
+        return code != 0 ? code : mpi_error_other();
+    }
+    int code;
+    if (lane->me == 0) {
+        memcpy(out, peer, nbytes);
+        code = mpi_reduce_local(api->own(lane->pair), out, (int)lane->count, lane->datatype, lane->mpi_op);
+    } else {
+        if (source != NULL) memcpy(out, source, nbytes);
+        code = mpi_reduce_local(peer, out, (int)lane->count, lane->datatype, lane->mpi_op);
+    }
+    api->done(lane->pair);
     return code;
 }
 
@@ -679,7 +750,8 @@ static PyObject *call_run(Lane *lane, Call *call) {
                               call->out) < 0 ? -1 : 1;
             if (queued < 0) lost_check(lane);
             /* NULL (memory ran out): the lane's one exchanges keep going to the engine. */
-            if (lane->once && lane->scratch == NULL) lane->scratch = PyMem_RawMalloc((size_t)lane->nbytes);
+            if (lane->once && lane->shared < 0 && lane->scratch == NULL)
+                lane->scratch = PyMem_RawMalloc((size_t)lane->nbytes);
         }
         if (collecting) PyGC_Enable();
     }

@@ -57,13 +57,13 @@ static const char *bind_keywords[] = {
     "mpi", "pointer_handles", "op_class", "tensor_class", "handle_class",
     "open_contexts", "states", "later", "settle", "base_resolve", "agree_stage", "header_bytes", "payload_bytes",
     "row_bytes", "reap_after", "gathered_ranks", "spin_pauses", "take_quickly", "small_bytes", "convert",
-    "idle_arm", "held_blocking", "idle_contested", "exchange_tag", NULL};
+    "idle_arm", "held_blocking", "idle_contested", "exchange_tag", "pair_api", NULL};
 
 PyDoc_STRVAR(bind_doc,
 "bind(*, mpi, pointer_handles, op_class, tensor_class, handle_class,\n"
 "     open_contexts, states, later, settle, base_resolve, agree_stage, header_bytes, payload_bytes,\n"
 "     row_bytes, reap_after, gathered_ranks, spin_pauses, take_quickly, small_bytes, convert,\n"
-"     idle_arm=0, held_blocking=1, idle_contested=0, exchange_tag)\n--\n\n"
+"     idle_arm=0, held_blocking=1, idle_contested=0, exchange_tag, pair_api=0)\n--\n\n"
 "Bind the module to the running MPI and to the Python classes it works with (once).\n\n"
 "mpi: the mpi4py.MPI module; pointer_handles: whether MPI's handles are pointers. op_class,\n"
 "tensor_class, handle_class: the engine's Op, Tensor and the lane handle class, derived from the\n"
@@ -82,7 +82,9 @@ PyDoc_STRVAR(bind_doc,
 "ones, waited in C; `_core.idle.blocking_waits`). idle_contested: the address of the function\n"
 "that says whether the core is contested (`_core.idle.contested_address`; 0: never), which the\n"
 "held all-reduces of 2 ranks carry in their check; exchange_tag: the tag of their one exchange\n"
-"(`_transport.mpi.all_reduce.EXCHANGE_TAG`). `resolve_for(handle_class)` then gives the\n"
+"(`_transport.mpi.all_reduce.EXCHANGE_TAG`); pair_api: the address of the shared pairs' table\n"
+"(`_transport.mpi.pair.pair_api_address`, pair.h; 0: none), through which that exchange goes\n"
+"where both ranks run on one node. `resolve_for(handle_class)` then gives the\n"
 "compiled resolve().\n\n"
 "Raises:\n"
 "    RuntimeError: MPI's functions or mpi4py's C API could not be found (the message says which).\n"
@@ -93,17 +95,17 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     PyObject *mpi4py, *op_class, *tensor_class, *handle_class, *contexts, *states;
     PyObject *later, *settle, *base_resolve, *take_quickly, *small_bytes, *convert;
     int pointer_handles;
-    unsigned long long idle_arm = 0, idle_contested = 0;
+    unsigned long long idle_arm = 0, idle_contested = 0, pair_api = 0;
     int held_blocking = 1;
     if (consts.bound) Py_RETURN_NONE;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOO!O!OOOiiiiiiiOO!OKpKi", (char **)bind_keywords, &mpi4py,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$OpOOOO!O!OOOiiiiiiiOO!OKpKiK", (char **)bind_keywords, &mpi4py,
                                      &pointer_handles, &op_class, &tensor_class, &handle_class,
                                      &PyList_Type, &contexts, &PyTuple_Type, &states, &later, &settle,
                                      &base_resolve, &consts.agree_stage, &consts.header_bytes,
                                      &consts.payload_bytes, &consts.row_bytes, &consts.reap_after, &consts.gathered_ranks,
                                      &consts.spin_pauses, &take_quickly, &PyLong_Type, &small_bytes, &convert,
                                      &idle_arm, &held_blocking, &idle_contested,
-                                     &consts.exchange_tag))
+                                     &consts.exchange_tag, &pair_api))
         return NULL;
     if (PyTuple_GET_SIZE(states) != 5 || !PyType_Check(later) || !PyCallable_Check(settle) ||
         !PyCallable_Check(base_resolve) ||
@@ -133,6 +135,7 @@ static PyObject *bind(PyObject *module, PyObject *args, PyObject *kwargs) {
     consts.arm_idle = (idle_switch)(uintptr_t)idle_arm;
     consts.held_blocking = held_blocking;
     consts.contested = (idle_probe)(uintptr_t)idle_contested;
+    consts.pair = (const PairApi *)(uintptr_t)pair_api;
     consts.bound = 1;
     Py_RETURN_NONE;
 }

@@ -59,6 +59,8 @@ int mpi_ireduce(const void *send, void *recv, int count, mpi_handle datatype, mp
                 mpi_handle comm, void *request);
 /* Blocking MPI_Sendrecv of `count` elements with rank `peer` (sent and received under `tag`),
  * and MPI_Reduce_local (inout = in op inout); call without the GIL. */
+/* MPI_ERR_OTHER: an error where MPI reported none. */
+int mpi_error_other(void);
 int mpi_sendrecv(const void *send, void *recv, int count, mpi_handle datatype, int peer, int tag, mpi_handle comm);
 int mpi_reduce_local(const void *in, void *inout, int count, mpi_handle datatype, mpi_handle op);
 int mpi_comm_rank(mpi_handle comm, int *rank);
@@ -80,6 +82,7 @@ void mpi_failed(PyObject *engine, int code, PyObject *op, PyObject *name);
  * derive from the record types of `mpitensor._core._records`: compiled code reads and writes
  * their fields in those records' structs, never by attribute name. The classes of the objects
  * the lane makes are given at bind time (checked to derive from their records). */
+#include "pair.h"
 #include "records.h"
 
 typedef struct {
@@ -150,6 +153,7 @@ typedef struct {
     int held_blocking;              /* held calls move their data in MPI's blocking calls (idle.blocking_waits) */
     idle_probe contested;           /* whether the core is contested now (_core/idle.py contested), or NULL */
     int exchange_tag;               /* the tag of a contesting held lane's one exchange (EXCHANGE_TAG) */
+    const PairApi *pair;            /* the shared pairs that exchange moves through on one node (pair.h), or NULL */
     int bound;
 } Constants;
 
