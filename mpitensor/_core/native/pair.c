@@ -256,6 +256,13 @@ static PyObject *pair_py_state(PyObject *module, PyObject *args) {
     return PyLong_FromLong(pair_find((intptr_t)comm, (size_t)nbytes, &pair));
 }
 
+static PyObject *pair_room(PyObject *module, PyObject *arg) {
+    (void)module;
+    unsigned long long comm = PyLong_AsUnsignedLongLongMask(arg);
+    if (comm == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(used < MAX_PAIRS || entry_of((intptr_t)comm) != NULL);
+}
+
 static PyObject *pair_forget(PyObject *module, PyObject *arg) {
     (void)module;
     unsigned long long comm = PyLong_AsUnsignedLongLongMask(arg);
@@ -365,6 +372,8 @@ static PyMethodDef methods[] = {
     {"state", pair_py_state, METH_VARARGS,
      "state(comm, nbytes) -> int: 1 a pair carries a call of `nbytes` on communicator handle `comm`, 0 none is "
      "set up for it yet, -1 none will be."},
+    {"room", pair_room, METH_O,
+     "room(comm) -> bool: whether `register` can take a pair of communicator handle `comm` (not too many)."},
     {"forget", pair_forget, METH_O, "forget(comm): unmap and drop the pair of communicator handle `comm`, if any."},
     {"post", pair_py_post, METH_VARARGS,
      "post(comm, data) -> bool: the next call's input into this rank's slot; False where the peer's process is gone."},

@@ -13,11 +13,12 @@ The first such call of a group sets the pair up: both ranks are in it (their che
 on the one exchange), so they can talk. Rank 0 creates the segment (a memfd), rank 1 maps it
 through ``/proc/<pid>/fd/<fd>``; a token in its header, and the inode rank 0 then finds behind
 rank 1's descriptor, show both mapped the same one. Where that fails (another node, another
-container, no ``/proc``, no compiled module or ``MPITENSOR_NATIVE=0``) both know it and keep MPI's exchange. A call
-larger than the segment's slots sets up a larger one; beyond ``MAX_BYTES`` the copies cost
-more than the waits, and MPI moves it. The pair is forgotten when the group's communicator is
-freed (`forget_pair`). ``MPITENSOR_PAIR=0`` keeps MPI's exchange (a rank where it is set says
-so in the set-up, so both keep it).
+container, no ``/proc``, no compiled module or ``MPITENSOR_NATIVE=0``, too many pairs) both
+know it and keep MPI's exchange for the group. A call larger than the segment's slots sets up
+a larger one; beyond ``MAX_BYTES`` the copies cost more than the waits, and MPI moves it.
+The pair is forgotten when the group's communicator is freed (`forget_pair`).
+``MPITENSOR_PAIR=0`` keeps MPI's exchange (a rank where it is set says so in the set-up, so
+both keep it).
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ _SMALLEST_SLOT = 1 << 16
 DOZE_NS = 500_000
 _COUNT_MASK = 0xFFFF_FFFF  # the counts are 32-bit words that wrap
 
-# The communicator handles whose pairs are set up (a check's post looks here first).
+# The communicator handles whose pairs are set up (a check's post looks here first), and those
+# whose ranks found they cannot share one (kept here too: the compiled registry may be full).
 _live: set[int] = set()
+_refused: set[int] = set()
 
 
 def pairs_built() -> bool:
@@ -80,6 +83,8 @@ def through_pair(comm: Any, nbytes: int) -> bool:
     if _pair is None:
         return False
     handle = comm.handle
+    if handle in _refused:
+        return False
     state = _pair.state(handle, nbytes)
     if state == 0:
         state = 1 if _set_up(comm, handle, nbytes) else -1
@@ -109,20 +114,25 @@ def _set_up(comm: Any, handle: int, nbytes: int) -> bool:
     held = -1  # rank 1's descriptor of the segment, kept open until rank 0 has looked at it
     if me == 1 and wanted and theirs[0] == host and theirs[2] >= 0:
         address = _pair.attach(theirs[1], theirs[2], size, theirs[3]) or None
-        if address is not None:
-            held = os.open(f"/proc/{theirs[1]}/fd/{theirs[2]}", os.O_RDONLY | os.O_CLOEXEC)
+        held = _open_quietly(f"/proc/{theirs[1]}/fd/{theirs[2]}") if address is not None else -1
     said = swap(held)
-    ok = address is not None and (me == 1 or _same_file(fd, peer_pid, said))
+    ok = address is not None and _pair.room(handle) and (me == 1 or _same_file(fd, peer_pid, said))
     usable = bool(swap(ok)) and ok
     for descriptor in (fd, held):
         if descriptor >= 0:
             os.close(descriptor)
     _live.discard(handle)
-    if not _pair.register(handle, address, size, capacity, me, peer_pid, usable):
-        return False
-    if usable:
-        _live.add(handle)
+    _pair.register(handle, address, size, capacity, me, peer_pid, usable)  # has room: it was asked
+    (_live if usable else _refused).add(handle)
     return usable
+
+
+def _open_quietly(path: str) -> int:
+    """A read-only descriptor of `path`, or -1 (the set-up then says no, rather than leave the peer waiting)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def _same_file(fd: int, pid: int, peer_fd: int) -> bool:
@@ -172,6 +182,7 @@ def forget_pair(comm: Any) -> None:
     """Drop the pair of `comm` (before the communicator is freed: a later one may get its handle)."""
     if _pair is not None and comm is not None:
         _live.discard(comm.handle)
+        _refused.discard(comm.handle)
         _pair.forget(comm.handle)
 
 
