@@ -171,4 +171,5 @@ def test_the_one_exchange_goes_through_the_ranks_shared_pair():
 
 
 def _pair_state_of(comm: Any, nbytes: int) -> int | None:
+    """The pair's state for a call of `nbytes` on `comm` (1 through it, -1 MPI's, 0 none yet); None: not built."""
     return compiled_pair.state(comm.handle, nbytes) if pairs_built() else None
