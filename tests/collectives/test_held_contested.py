@@ -154,10 +154,11 @@ def test_the_contested_state_is_never_set_where_waits_cannot_sleep():
         assert not idle.contested()
 
 
-@pytest.mark.mpi(min_size=2, max_size=2)
 def test_the_one_exchange_goes_through_the_ranks_shared_pair():
     """`exchange_once` as the engine calls it for a contested core, on every MPI: sizes that grow the pair, in place."""
     with mt.DistributedContext.init() as ctx:
+        if ctx.size != 2:
+            pytest.skip("the pair's own test runs on a job of 2 ranks (every rank skips alike)")
         comm = ctx.full_group.comm
         for turn, count in enumerate([10, 9_000, 200_000, 9_000, 150_000]):
             inputs = [rank_input(seed_of("pair", turn), r, (count,), np.float64) for r in range(2)]
