@@ -48,7 +48,6 @@ typedef struct {
 #define MAX_PAIRS 256
 
 struct Pair {
-    intptr_t comm;
     char *base;
     size_t size, capacity, nbytes;
     int me;
@@ -81,18 +80,16 @@ static Entry *entry_of(intptr_t comm) {
     return NULL;
 }
 
-/* Whether `count` has reached `target` (counters wrap: compared by their difference). */
-static int reached(uint32_t *count, uint32_t target) {
-    return (int32_t)(__atomic_load_n(count, __ATOMIC_ACQUIRE) - target) >= 0;
-}
+/* Whether a count `seen` has reached `target` (counters wrap: compared by their difference). */
+static int reached(uint32_t seen, uint32_t target) { return (int32_t)(seen - target) >= 0; }
 
 /* Wait until `count` reaches `target`: 0, or -1 where the peer's process is gone. */
 static int wait_for(Pair *pair, uint32_t *count, uint32_t target) {
     for (int spin = 0; spin < SPINS; spin++)
-        if (reached(count, target)) return 0;
+        if (reached(__atomic_load_n(count, __ATOMIC_ACQUIRE), target)) return 0;
     for (;;) {
         uint32_t seen = __atomic_load_n(count, __ATOMIC_ACQUIRE);
-        if ((int32_t)(seen - target) >= 0) return 0;
+        if (reached(seen, target)) return 0;
         struct timespec look = {0, LOOK_NS};
         long code = syscall(SYS_futex, count, FUTEX_WAIT, seen, &look, NULL, 0);
         if (code == -1 && errno == ETIMEDOUT && kill(pair->peer, 0) == -1 && errno == ESRCH) return -1;
@@ -151,7 +148,7 @@ static int pair_doze(intptr_t comm, uint32_t checks, long ns) {
     int me = entry->pair->me;
     __atomic_store_n(&head->dozing[me], 1, __ATOMIC_SEQ_CST);
     uint32_t seen = __atomic_load_n(&head->checks[1 - me], __ATOMIC_SEQ_CST);
-    int before = (int32_t)(seen - checks) >= 0;
+    int before = reached(seen, checks);
     if (!before) {
         struct timespec most = {ns / 1000000000L, ns % 1000000000L};
         syscall(SYS_futex, &head->checks[1 - me], FUTEX_WAIT, seen, &most, NULL, 0);
@@ -241,7 +238,7 @@ static PyObject *pair_register(PyObject *module, PyObject *args) {
     if (base != NULL) {
         pair = PyMem_RawCalloc(1, sizeof(Pair));
         if (pair == NULL) return PyErr_NoMemory();
-        *pair = (Pair){(intptr_t)comm, base, (size_t)size, (size_t)capacity, 0, me, (pid_t)peer, 0};
+        *pair = (Pair){base, (size_t)size, (size_t)capacity, 0, me, (pid_t)peer, 0};
     }
     entries[used++] = (Entry){key_of((intptr_t)comm), base != NULL ? 1 : -1, pair};
     Py_RETURN_TRUE;

@@ -181,9 +181,10 @@ def _peer_gone(comm: Any) -> None:
 def forget_pair(comm: Any) -> None:
     """Drop the pair of `comm` (before the communicator is freed: a later one may get its handle)."""
     if _pair is not None and comm is not None:
-        _live.discard(comm.handle)
-        _refused.discard(comm.handle)
-        _pair.forget(comm.handle)
+        handle = comm.handle
+        _live.discard(handle)
+        _refused.discard(handle)
+        _pair.forget(handle)
 
 
 def ring_for_check(comm: Any, checks: int) -> None:
